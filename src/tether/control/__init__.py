@@ -1,0 +1,1 @@
+"""KL coefficient controllers (constant, adaptive) that drive any component with a ``kl_coef``."""

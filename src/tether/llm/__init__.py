@@ -1,0 +1,1 @@
+"""LLM components on TensorDicts: log-prob retrieval, KL computation and KL reward transforms."""

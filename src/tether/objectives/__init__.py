@@ -1,0 +1,1 @@
+"""Losses and advantage estimators: GRPOLoss and MCAdvantage."""

@@ -1,0 +1,1 @@
+"""Pure, typed tensor math: log-probs, KL estimators, reductions, advantages, policy losses."""

@@ -1,0 +1,1 @@
+"""Ray-backed services: remote KL transforms and a shared reference-model service."""

@@ -1,0 +1,1 @@
+"""Rollouts from a causal LM in the step-wise TensorDict layout of the seeds."""

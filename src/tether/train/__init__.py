@@ -1,0 +1,1 @@
+"""Recipes: the GRPO training loop, tasks, config and the ``tether`` command line."""

@@ -1,0 +1,1 @@
+"""Generic (non-LLM) transforms for probabilistic actors built with tensordict.nn."""
