@@ -1,1 +1,17 @@
 """KL coefficient controllers (constant, adaptive) that drive any component with a ``kl_coef``."""
+
+from tether.control.controllers import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    ConstantKLController,
+    KLController,
+    make_kl_controller,
+)
+
+__all__ = [
+    "KL_CONTROLLERS",
+    "AdaptiveKLController",
+    "ConstantKLController",
+    "KLController",
+    "make_kl_controller",
+]

@@ -1,1 +1,13 @@
 """Hugging Face causal-LM wrapper, chat tokenisation, reference copies, reward models, embedded model."""
+
+from tether.models.chat import ChatTokens, has_generation_block, tokenize_chats
+from tether.models.default_model import DefaultModelInfo, load_default_model, locate_gguf, model_info
+from tether.models.reference import (
+    REFERENCE_UPDATES,
+    AdapterDisabledReference,
+    ReferenceUpdater,
+    adapter_disabled,
+    frozen_copy,
+)
+from tether.models.reward_model import RewardOutput, SequenceRewardModel
+from tether.models.wrapper import INPUT_MODES, TransformersWrapper

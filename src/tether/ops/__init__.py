@@ -1,1 +1,30 @@
 """Pure, typed tensor math: log-probs, KL estimators, reductions, advantages, policy losses."""
+from tether.ops.logprobs import (
+    TokenStats,
+    token_entropy,
+    token_entropy_from_hidden,
+    token_logprobs,
+    token_logprobs_from_hidden,
+    token_stats_from_hidden,
+)
+from tether.ops.exact_kl import exact_kl, exact_kl_from_hidden
+from tether.ops.kl import KL_CORRECTIONS, KL_ESTIMATORS, kl_abs, kl_estimate, kl_k1, kl_k2, kl_k3, kl_loss_term
+from tether.ops.aggregate import AGGREGATION_MODES, aggregate, aggregate_denominator
+from tether.ops.advantages import ADVANTAGE_MODES, STD_MODES, group_advantages, reward_to_go
+from tether.ops.policy_loss import (
+    IMPORTANCE_WEIGHT_MODES,
+    PolicyLoss,
+    clipped_surrogate,
+    effective_sample_size,
+    gspo_log_ratio,
+    importance_weights,
+)
+from tether.ops.masks import (
+    PADDING_SIDES,
+    Padded,
+    mask_from_lengths,
+    nested_to_padded,
+    padded_to_nested,
+    response_mask,
+    truncate_at_first_eos,
+)

@@ -1,1 +1,5 @@
 """Generic (non-LLM) transforms for probabilistic actors built with tensordict.nn."""
+
+from tether.transforms.kl_reward import KLRewardTransform
+
+__all__ = ["KLRewardTransform"]

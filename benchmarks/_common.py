@@ -1,0 +1,161 @@
+"""Shared benchmark plumbing: time a callable in a fresh process and measure its memory.
+
+Every measured variant runs in its own interpreter so that one variant's allocator state
+(freed-but-kept arenas, page-cache warmth, torch's thread pools) cannot flatter or penalise
+the next. A benchmark module exposes a *setup* function ``setup(**kwargs) -> callable``:
+the setup builds the inputs, and only calls of the returned zero-argument callable are
+timed and counted for memory.
+
+Peak memory: on Linux the kernel's resident-set high-water mark (``VmHWM``) is reset after
+setup by writing ``5`` to ``/proc/self/clear_refs``, so the peak covers exactly the warm-up
+and timed calls. Elsewhere the fallback is ``resource.getrusage`` (``ru_maxrss``), whose peak
+also includes setup. The baseline is the resident set right after setup (psutil when
+installed, ``/proc/self/statm`` otherwise).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+_RESULT_TAG = "BENCH_RESULT "
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Median wall time of the timed calls and peak resident-set growth over the baseline."""
+
+    median_s: float
+    times_s: tuple[float, ...]
+    peak_rss_growth_bytes: int
+    peak_source: str
+
+
+def measure_in_subprocess(
+    module_path: str,
+    setup_name: str,
+    kwargs: dict,
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    timeout_s: float | None = None,
+) -> Measurement:
+    """Run ``setup_name(**kwargs)`` from the file ``module_path`` in a new interpreter.
+
+    The returned callable is called ``warmup`` times untimed, then ``repeats`` times timed.
+    ``kwargs`` must be JSON-serialisable. Raises ``RuntimeError`` with the child's stderr
+    when the child fails.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    spec = {
+        "module_path": os.path.abspath(module_path),
+        "setup_name": setup_name,
+        "kwargs": kwargs,
+        "repeats": repeats,
+        "warmup": warmup,
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"benchmark child {setup_name}({kwargs}) failed with exit code "
+            f"{proc.returncode}:\n{proc.stderr[-4000:]}"
+        )
+    data = json.loads(lines[-1][len(_RESULT_TAG):])
+    return Measurement(
+        median_s=data["median_s"],
+        times_s=tuple(data["times_s"]),
+        peak_rss_growth_bytes=data["peak_rss_growth_bytes"],
+        peak_source=data["peak_source"],
+    )
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**20:.1f}"
+
+
+# ---------------------------------------------------------------------------------------
+# Child side.
+
+
+def _current_rss() -> int:
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return psutil.Process().memory_info().rss
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS counter; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss(reset_ok: bool) -> tuple[int, str]:
+    if reset_ok:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "VmHWM"
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return (peak if sys.platform == "darwin" else peak * 1024), "ru_maxrss"
+
+
+def _child(spec: dict) -> None:
+    module_spec = importlib.util.spec_from_file_location("_bench_target", spec["module_path"])
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, spec["setup_name"])(**spec["kwargs"])
+    gc.collect()
+    baseline = _current_rss()
+    reset_ok = _reset_peak()
+    for _ in range(spec["warmup"]):
+        fn()
+    times = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    peak, source = _peak_rss(reset_ok)
+    result = {
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "peak_rss_growth_bytes": max(peak - baseline, 0),
+        "peak_source": source,
+    }
+    print(_RESULT_TAG + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

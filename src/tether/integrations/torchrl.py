@@ -1,0 +1,123 @@
+"""Use tether transforms inside TorchRL environments (optional extra: ``pip install "tether[torchrl]"``).
+
+``as_env_transform(KLRewardTransform(...))`` returns a TorchRL ``Transform`` that can be
+appended to a ``TransformedEnv``: at every step it sees the root tensordict (observation,
+action and the policy's log-prob at time t) together with the ``"next"`` entry holding the
+reward, and writes the KL-penalised reward there.
+
+Spec handling follows the seed: an adjusted reward that overwrites the env reward keeps the
+reward spec's shape but becomes unbounded; an adjusted reward (or log-ratio) written to a new
+key is declared as an unbounded observation entry of the reward's shape, and filled with
+zeros at reset so that every step of a rollout holds the same keys.
+
+TorchRL is imported only when ``as_env_transform`` is called.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from tensordict import TensorDictBase
+
+__all__ = ["as_env_transform"]
+
+_INSTALL_HINT = (
+    "tether.integrations.torchrl needs TorchRL, which is an optional extra; install it with "
+    "`pip install \"tether[torchrl]\"` (or `pip install torchrl`)."
+)
+
+
+def _import_torchrl() -> tuple[type, type]:
+    try:
+        from torchrl.data.tensor_specs import Unbounded
+        from torchrl.envs.transforms.transforms import Transform
+    except ImportError as err:
+        raise ImportError(_INSTALL_HINT) from err
+    return Transform, Unbounded
+
+
+@functools.lru_cache(maxsize=1)
+def _env_transform_class() -> type:
+    """Builds the TorchRL ``Transform`` subclass once TorchRL is importable (one class per process)."""
+    Transform, Unbounded = _import_torchrl()
+
+    class KLRewardEnvTransform(Transform):
+        """TorchRL ``Transform`` adapter around a :class:`tether.transforms.KLRewardTransform`."""
+
+        def __init__(self, kl_transform: Any) -> None:
+            super().__init__(in_keys=[kl_transform.reward_key], out_keys=[kl_transform.out_key])
+            # A submodule, so env.to(...) moves the frozen snapshot along with the env.
+            self.kl_transform = kl_transform
+
+        def _new_keys(self) -> list:
+            keys = [self.kl_transform.out_key, self.kl_transform.kl_key]
+            return [k for k in keys if k is not None and k != self.kl_transform.reward_key]
+
+        def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase):
+            # The KL needs time-t entries (action, its log-prob, the observation the policy
+            # saw), so the adapter assembles the usual rollout layout: root + "next".
+            root = tensordict.exclude("next")
+            root.set("next", next_tensordict)
+            return self.kl_transform(root).get("next")
+
+        def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
+            return self.kl_transform(tensordict)
+
+        def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+            return self.kl_transform(tensordict)
+
+        def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase):
+            # New keys are observation entries; a reset has no transition to penalise, so
+            # they start at 0, shaped like the reward.
+            new_keys = self._new_keys()
+            if new_keys and self.parent is not None:
+                zero = self.parent.full_reward_spec[self.parent.reward_key].zero()
+                for key in new_keys:
+                    if tensordict_reset.get(key, None) is None:
+                        tensordict_reset.set(key, zero.clone())
+            return tensordict_reset
+
+        def transform_output_spec(self, output_spec):
+            reward_key = self.kl_transform.reward_key
+            reward_spec = output_spec["full_reward_spec"].get(reward_key, None)
+            if reward_spec is None:
+                raise KeyError(
+                    f"in_keys {reward_key!r} of the KL transform is not a reward of the "
+                    f"environment; its rewards are "
+                    f"{list(output_spec['full_reward_spec'].keys(True, True))}. Pass one of "
+                    f"them as in_keys."
+                )
+            unbounded = Unbounded(
+                shape=reward_spec.shape, device=reward_spec.device, dtype=reward_spec.dtype
+            )
+            if self.kl_transform.out_key == reward_key:
+                output_spec["full_reward_spec"][reward_key] = unbounded
+            for key in self._new_keys():
+                output_spec["full_observation_spec"][key] = unbounded.clone()
+            return output_spec
+
+    return KLRewardEnvTransform
+
+
+def as_env_transform(transform: Any) -> Any:
+    """Wraps a :class:`tether.transforms.KLRewardTransform` as a TorchRL env ``Transform``.
+
+    Example::
+
+        env = TransformedEnv(GymEnv("Pendulum-v1"), as_env_transform(
+            KLRewardTransform(actor, coef=0.1, out_keys="reward_kl")))
+        td = env.rollout(3, actor)  # td["next", "reward_kl"] holds the penalised reward
+
+    Raises:
+        ImportError: if TorchRL is not installed.
+        TypeError: if ``transform`` is not a ``KLRewardTransform``.
+    """
+    from tether.transforms import KLRewardTransform
+
+    if not isinstance(transform, KLRewardTransform):
+        raise TypeError(
+            f"transform must be a tether.transforms.KLRewardTransform; got "
+            f"{type(transform).__name__}. Build one with KLRewardTransform(actor, ...)."
+        )
+    return _env_transform_class()(transform)

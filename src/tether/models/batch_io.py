@@ -1,0 +1,154 @@
+"""Reading and writing the entries of an LLM TensorDict: chats, strings and ragged tensors.
+
+Chats and strings are stored as ``NonTensorStack`` entries (one Python object per row), so
+they follow indexing, stacking and splitting of the TensorDict. Ragged per-token tensors are
+stored either padded (with an explicit ``bool`` mask under ``("masks", ...)``) or as jagged
+nested tensors; ``read_ragged`` turns both into ``(values [B, T], mask [B, T])``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from torch import Tensor
+
+from tether.ops import mask_from_lengths, nested_to_padded, padded_to_nested
+
+Chat = list[dict[str, str]]
+
+
+def _present(td: TensorDictBase, key) -> bool:
+    return key in td.keys(include_nested=True, leaves_only=False)
+
+
+def _missing(td: TensorDictBase, key, what: str) -> KeyError:
+    keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+    return KeyError(
+        f"{key!r}: expected {what} in the input TensorDict, but the key is missing. "
+        f"Present keys: {keys}."
+    )
+
+
+def validate_chats(chats: Sequence[Sequence[Mapping[str, str]]], name: str = "chats") -> list[Chat]:
+    """Check that ``chats`` is a list of chats, each a list of {"role", "content"} dicts."""
+    if isinstance(chats, (str, Mapping)) or not isinstance(chats, Sequence):
+        raise TypeError(
+            f"{name}: expected a list of chats (each a list of {{'role', 'content'}} dicts), "
+            f"got {type(chats).__name__}."
+        )
+    out: list[Chat] = []
+    for i, chat in enumerate(chats):
+        if isinstance(chat, (str, Mapping)) or not isinstance(chat, Sequence) or not chat:
+            raise TypeError(
+                f"{name}[{i}]: expected a non-empty list of messages, got {chat!r:.80}. "
+                "Wrap a single chat in a list."
+            )
+        for j, msg in enumerate(chat):
+            if not isinstance(msg, Mapping) or not {"role", "content"} <= set(msg):
+                raise TypeError(
+                    f"{name}[{i}][{j}]: expected a dict with 'role' and 'content', got {msg!r:.80}."
+                )
+        out.append([dict(m) for m in chat])
+    return out
+
+
+def write_objects(td: TensorDictBase, key, objects: Sequence) -> None:
+    """Store one Python object per row under ``key``."""
+    td.set(key, NonTensorStack(*[NonTensorData(o) for o in objects], batch_size=[len(objects)]))
+
+
+def read_objects(td: TensorDictBase, key, what: str) -> list:
+    """The per-row Python objects stored under ``key`` (a KeyError naming it if absent)."""
+    if not _present(td, key):
+        raise _missing(td, key, what)
+    value = td.get(key)
+    if isinstance(value, (NonTensorStack, NonTensorData)):
+        items = value.tolist()
+        return items if isinstance(items, list) and td.batch_dims else [items]
+    raise TypeError(f"{key!r}: expected {what} stored as non-tensor data, got {type(value).__name__}.")
+
+
+def read_chats(td: TensorDictBase, key) -> list[Chat]:
+    return validate_chats(read_objects(td, key, "a list of chats"), name=str(key))
+
+
+def read_strings(td: TensorDictBase, key) -> list[str]:
+    items = read_objects(td, key, "one string per row")
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise TypeError(f"{key!r}[{i}]: expected a string, got {type(s).__name__}.")
+    return items
+
+
+def read_ragged(
+    td: TensorDictBase, key, mask_key=None, *, required: bool = True
+) -> tuple[Tensor, Tensor] | None:
+    """``(values [B, T], mask bool [B, T])`` of a padded-with-mask or jagged entry.
+
+    A padded entry without a mask under ``mask_key`` is taken as fully valid.
+    """
+    if not _present(td, key):
+        if required:
+            raise _missing(td, key, "a per-token tensor")
+        return None
+    value = td.get(key)
+    if value.is_nested:
+        padded = nested_to_padded(value, padding_side="right")
+        return padded.values, padded.mask
+    mask = td.get(mask_key) if mask_key is not None and _present(td, mask_key) else None
+    if mask is None:
+        mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
+    elif mask.shape != value.shape[:2]:
+        raise ValueError(
+            f"{mask_key!r}: expected a mask of shape {tuple(value.shape[:2])} matching {key!r}, "
+            f"got {tuple(mask.shape)}."
+        )
+    return value, mask.bool()
+
+
+def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:
+    """Re-lay each row's contiguous run of valid entries so its padding sits on ``padding_side``.
+
+    Crops the width to the longest row. ``values`` is ``[B, T, ...]``, ``mask`` ``bool [B, T]``.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
+    lengths = mask.sum(-1)
+    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
+    width = int(lengths.max()) if lengths.numel() else 0
+    cols = torch.arange(width, device=mask.device)
+    new_mask = mask_from_lengths(lengths, width, padding_side=padding_side)
+    offset = (width - lengths)[:, None] if padding_side == "left" else 0
+    src = (start[:, None] + cols - offset).clamp(0, max(mask.shape[-1] - 1, 0))
+    index = src.view(*src.shape, *([1] * (values.ndim - 2))).expand(-1, -1, *values.shape[2:])
+    gathered = values.gather(1, index) if width else values[:, :0]
+    fill = torch.zeros((), dtype=values.dtype, device=values.device)
+    shaped_mask = new_mask.view(*new_mask.shape, *([1] * (values.ndim - 2)))
+    return torch.where(shaped_mask, gathered, fill), new_mask
+
+
+def write_ragged(
+    td: TensorDictBase,
+    key,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    pad_output: bool,
+    padding_side: str,
+    mask_key=None,
+    pad_value: int | float = 0,
+) -> None:
+    """Store ``values`` (valid where ``mask``) padded on ``padding_side`` or as jagged rows."""
+    if pad_output:
+        packed, packed_mask = repack(values, mask, padding_side)
+        if pad_value != 0:
+            packed = packed.masked_fill(~packed_mask, pad_value)
+        td.set(key, packed)
+        if mask_key is not None:
+            td.set(mask_key, packed_mask)
+    else:
+        td.set(key, padded_to_nested(values, mask))
+        if mask_key is not None:
+            td.set(mask_key, padded_to_nested(mask, mask))

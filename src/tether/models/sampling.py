@@ -1,0 +1,145 @@
+"""Ancestral sampling from a causal LM with exact per-token log-probs.
+
+tether samples with its own decode loop over the model's KV cache instead of
+``model.generate``: the log-prob of each sampled token is read from the very distribution it
+was drawn from, ``softmax(logits / temperature)`` in float32, so the sampling log-probs and
+the trainer's recomputed log-probs agree to float precision (ratio 1 on-policy) and no
+``[B, T, V]`` tensor of per-step scores is ever kept.
+
+Top-k / top-p truncate the distribution that is *sampled*; the recorded log-prob stays the
+one under the untruncated temperature-scaled distribution, which is what the trainer
+recomputes, so importance ratios stay consistent.
+
+Rows that have emitted an end-of-sequence token are dropped from the batch (and from the
+KV cache) at once, so a batch of mixed response lengths costs close to its real tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """Responses sampled for a batch of prompts (right-padded).
+
+    Attributes:
+        tokens: ``long [B, R]`` sampled ids; ``pad_id`` after a row's end.
+        mask: ``bool [B, R]``, True on every sampled token including the eos that ended it.
+        log_probs: ``float32 [B, R]``, log-prob of each sampled token, 0 where masked.
+        finished: ``bool [B]``, True where the row ended with an eos token (not truncated).
+    """
+
+    tokens: Tensor
+    mask: Tensor
+    log_probs: Tensor
+    finished: Tensor
+
+
+def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+    """Set to -inf the logits outside the top-k / nucleus set (``[B, V]``)."""
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token if the mass strictly before it is below top_p (the top token always).
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample_responses(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_ids: Collection[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    do_sample: bool = True,
+    generator: torch.Generator | None = None,
+) -> SampleOutput:
+    """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
+
+    Args:
+        model: HF causal LM accepting ``past_key_values`` and ``position_ids``.
+        prompt_ids: ``long [B, P]`` prompts, **left**-padded.
+        prompt_mask: ``bool [B, P]`` valid prompt tokens.
+        max_new_tokens: the response length limit.
+        eos_ids: ids that end a response (the eos itself is kept and scored).
+        pad_id: id written after a row's end.
+        temperature: the sampling distribution is ``softmax(logits / temperature)``.
+        top_k, top_p: optional truncation of the sampled distribution.
+        do_sample: False for greedy decoding (log-probs still under the tempered softmax).
+        generator: torch RNG for reproducible sampling.
+    """
+    from transformers import DynamicCache
+
+    batch = prompt_ids.shape[0]
+    device = prompt_ids.device
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    mask = prompt_mask.long()
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=mask,
+        position_ids=position,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    next_pos = position[:, -1:] + 1
+    alive = torch.arange(batch, device=device)  # original row of each live batch entry
+    tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    log_probs = torch.zeros(batch, max_new_tokens, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        scaled = out.logits[:, -1].float() / temperature
+        logp_all = torch.log_softmax(scaled, dim=-1)
+        if do_sample:
+            probs = torch.softmax(_filter_logits(scaled, top_k, top_p), dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            token = scaled.argmax(-1)
+        tokens[alive, step] = token
+        log_probs[alive, step] = logp_all.gather(-1, token[:, None]).squeeze(-1)
+        lengths[alive] = step + 1
+        ended = torch.isin(token, eos)
+        finished[alive[ended]] = True
+        if step + 1 == max_new_tokens or bool(ended.all()):
+            break
+        if bool(ended.any()):
+            keep = (~ended).nonzero().flatten()
+            cache.batch_select_indices(keep)
+            alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        next_pos = next_pos + 1
+    width = int(lengths.max()) if batch else 0
+    cols = torch.arange(width, device=device)
+    resp_mask = cols < lengths[:, None]
+    return SampleOutput(
+        tokens=tokens[:, :width].masked_fill(~resp_mask, pad_id),
+        mask=resp_mask,
+        log_probs=log_probs[:, :width].masked_fill(~resp_mask, 0.0),
+        finished=finished,
+    )

@@ -1,0 +1,204 @@
+"""Padding-free scoring of token sequences under a causal LM.
+
+``score_tokens`` returns, for every position ``t`` of every row, ``log p(x_t | x_<t)`` (and
+optionally the entropy of that predictive distribution) without ever materialising the
+``[B, T, V]`` logits of the batch:
+
+* Rows are sorted by length and cut into micro-batches of similar length whose padded size
+  stays under a token budget, so a batch of mixed lengths costs close to its real token
+  count. Each micro-batch is right-padded, so causal attention never sees a pad before a
+  real token and no position can attend to a later one (unlike sequence packing without a
+  block mask, which leaks future tokens across packed rows).
+* The decoder's last hidden states go through ``tether.ops.token_stats_from_hidden``, which
+  computes the head in chunks and recomputes them in backward.
+
+Models whose logits are not a plain linear head of the last hidden state (final-logit
+soft-capping, logit scaling) are scored through their own ``logits`` one micro-batch at a
+time instead; that path is exact but keeps one micro-batch of logits alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tether.ops import TokenStats, token_entropy, token_logprobs, token_stats_from_hidden
+
+# Config attributes that mean "logits are not just lm_head(hidden)".
+_NONLINEAR_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class CausalLMParts:
+    """The pieces of a causal LM that scoring needs: decoder stack and output head."""
+
+    model: nn.Module
+    decoder: nn.Module | None
+    head: nn.Module
+
+
+def causal_lm_parts(model: nn.Module) -> CausalLMParts:
+    """Split an HF causal LM (optionally wrapped by PEFT) into decoder and output head.
+
+    ``decoder`` is None when the head is not a plain linear map of the decoder output; the
+    caller then has to go through ``model(...).logits``.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None or not hasattr(head, "weight"):
+        raise TypeError(
+            f"model: expected a Hugging Face causal LM with an output embedding (lm_head), "
+            f"got {type(model).__name__} whose get_output_embeddings() is {head!r}. "
+            "Pass an AutoModelForCausalLM (or a PEFT model wrapping one)."
+        )
+    config = getattr(inner, "config", None)
+    nonlinear = any(getattr(config, a, None) not in (None, 1.0) for a in _NONLINEAR_HEAD_ATTRS)
+    decoder = None
+    if not nonlinear and hasattr(inner, "get_decoder"):
+        decoder = inner.get_decoder()
+    return CausalLMParts(model=model, decoder=decoder, head=head)
+
+
+def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Start index and length of the single run of valid tokens of each row.
+
+    Args:
+        attention_mask: ``bool [B, T]``; each row must be one contiguous run (left, right or
+            no padding).
+
+    Returns:
+        ``(start [B], length [B])``, both ``long``.
+    """
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1)
+    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    rebuilt = (cols >= start[:, None]) & (cols < (start + lengths)[:, None])
+    if not torch.equal(rebuilt, mask):
+        bad = (rebuilt != mask).any(-1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask: expected each row to be one contiguous run of valid tokens "
+            f"(left or right padding), but rows {bad[:8]} have holes. Remove the interior "
+            "padding or score those rows separately."
+        )
+    return start, lengths
+
+
+def plan_micro_batches(lengths: Tensor, token_budget: int) -> list[Tensor]:
+    """Group row indices, longest first, so each group's padded size fits the budget.
+
+    A row longer than the budget gets a group of its own. Returns index tensors whose
+    concatenation is a permutation of ``range(B)``.
+    """
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sorted_lengths = lengths[order].tolist()
+    groups: list[Tensor] = []
+    begin = 0
+    while begin < len(sorted_lengths):
+        longest = max(sorted_lengths[begin], 1)
+        rows = max(1, token_budget // longest)
+        end = min(len(sorted_lengths), begin + rows)
+        groups.append(order[begin:end])
+        begin = end
+    return groups
+
+
+def score_tokens(
+    model: nn.Module,
+    tokens: Tensor,
+    attention_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    token_budget: int = 4096,
+    with_entropy: bool = False,
+) -> TokenStats:
+    """Log-prob (and entropy) of each token given its prefix, padding-free.
+
+    Args:
+        model: HF causal LM (or PEFT model). Its train/eval mode is left untouched.
+        tokens: ``long [B, T]`` token ids, padded on either side.
+        attention_mask: ``bool [B, T]``, one contiguous run of valid tokens per row.
+        temperature: the logits are divided by it before the softmax.
+        chunk_size: tokens per chunk of the output head (None: ops default).
+        token_budget: upper bound on ``rows * longest_row`` of one forward pass.
+        with_entropy: also return the entropy of ``p(. | x_<t)`` at each position.
+
+    Returns:
+        ``TokenStats`` with ``log_probs [B, T]`` (and ``entropy [B, T]``), 0 at the first
+        valid token of each row and at every padding position. Differentiable w.r.t. the
+        model's parameters when grad mode is on.
+    """
+    if tokens.shape != attention_mask.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens/attention_mask: expected two [B, T] tensors of the same shape, got "
+            f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}."
+        )
+    if token_budget < 1:
+        raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    start, lengths = row_spans(attention_mask)
+    parts = causal_lm_parts(model)
+    device = parts.head.weight.device
+    batch, width = tokens.shape
+    flat_lp: list[Tensor] = []
+    flat_ent: list[Tensor] = []
+    flat_index: list[Tensor] = []
+    for rows in plan_micro_batches(lengths, token_budget):
+        length = int(lengths[rows].max())
+        if length < 2:
+            continue  # nothing to score: a row of 0 or 1 token has no predicted token
+        cols = torch.arange(length, device=tokens.device)
+        src = (start[rows, None] + cols).clamp(max=width - 1)
+        valid = cols < lengths[rows, None]
+        ids = torch.where(valid, tokens[rows[:, None], src], 0).to(device)
+        stats = _micro_batch_stats(parts, ids, valid.to(device), temperature, chunk_size, with_entropy)
+        keep = valid[:, 1:]
+        # Scatter targets in the caller's layout: row, and column start + t for t >= 1.
+        flat_index.append((rows[:, None] * width + src[:, 1:])[keep])
+        flat_lp.append(stats.log_probs[keep.to(device)])
+        if with_entropy:
+            flat_ent.append(stats.entropy[keep.to(device)])
+    log_probs = _scatter(flat_index, flat_lp, batch, width, device)
+    entropy = _scatter(flat_index, flat_ent, batch, width, device) if with_entropy else None
+    return TokenStats(log_probs=log_probs, entropy=entropy)
+
+
+def _micro_batch_stats(
+    parts: CausalLMParts,
+    ids: Tensor,
+    valid: Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+) -> TokenStats:
+    """Stats of ``ids[:, 1:]`` given their prefixes for one right-padded micro-batch."""
+    mask = valid.long()
+    labels = ids[:, 1:]
+    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+    if parts.decoder is not None:
+        hidden = parts.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        return token_stats_from_hidden(
+            hidden[:, :-1],
+            parts.head.weight,
+            labels,
+            temperature=temperature,
+            lm_head_bias=getattr(parts.head, "bias", None),
+            with_entropy=with_entropy,
+            **kwargs,
+        )
+    logits = parts.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+    log_probs = token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size)
+    entropy = token_entropy(logits, temperature=temperature, chunk_size=chunk_size) if with_entropy else None
+    return TokenStats(log_probs=log_probs, entropy=entropy)
+
+
+def _scatter(index: list[Tensor], values: list[Tensor], batch: int, width: int, device) -> Tensor:
+    """Place flat per-token values at flat ``row * width + col`` positions of a zero grid."""
+    if not values:
+        return torch.zeros(batch, width, device=device)
+    flat_values = torch.cat(values)
+    flat_index = torch.cat(index).to(device)
+    grid = flat_values.new_zeros(batch * width)
+    return grid.index_put((flat_index,), flat_values).view(batch, width)

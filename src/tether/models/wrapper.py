@@ -1,0 +1,343 @@
+"""``TransformersWrapper``: a TensorDict module over any Hugging Face causal LM.
+
+One object samples responses (``generate=True``) or scores given sequences
+(``generate=False``) from chats (``input_mode="history"``), strings (``"text"``) or token
+ids (``"tokens"``), and writes tokens, masks, texts and per-token log-probs under the keys
+the rest of tether reads (SPEC section 4):
+
+``("tokens", "prompt"|"response"|"full")``, ``("masks", "all_attention_mask")``,
+``("masks", "all_assistant_mask")``, ``("text", ...)``, ``(log_probs_key, "full")``,
+``(log_probs_key, "response")``.
+
+Log-probs are aligned with the tokens (``log_probs[:, t] = log p(x_t | x_<t)``, 0 where
+nothing is predicted) and come from ``softmax(logits / temperature)``. Sampling uses
+tether's own decode loop (``tether.models.sampling``) so the recorded sampling log-probs are
+read off the distribution the tokens were drawn from; scoring is padding-free and never
+builds ``[B, T, V]`` logits (``tether.models.scoring``).
+
+In generate mode the assistant mask marks the sampled response only: earlier assistant turns
+inside a multi-turn prompt were not sampled by this policy and carry no sampling log-prob,
+so training on them would use a wrong importance ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+from torch import Tensor, nn
+
+from tether.models.batch_io import (
+    read_chats,
+    read_ragged,
+    read_strings,
+    repack,
+    write_objects,
+    write_ragged,
+)
+from tether.models.chat import tokenize_chats
+from tether.models.sampling import sample_responses
+from tether.models.scoring import score_tokens
+from tether.ops import TokenStats, mask_from_lengths
+
+INPUT_MODES = ("history", "text", "tokens")
+_GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator"}
+_DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """Token ids of a batch with their valid mask, plus the extra per-mode information."""
+
+    ids: Tensor  # long [B, T]
+    mask: Tensor  # bool [B, T]
+    assistant_mask: Tensor | None = None  # bool [B, T]
+    prompt_lengths: Tensor | None = None  # long [B]: tokens of each row that are prompt
+
+
+def _stack_rows(rows: list[Tensor], padding_side: str, fill: int | bool) -> tuple[Tensor, Tensor]:
+    """Pad a list of 1-D tensors into ``[B, T]`` plus its valid mask."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lengths.max()) if rows else 0
+    mask = mask_from_lengths(lengths, width, padding_side=padding_side)
+    dtype = rows[0].dtype if rows else torch.long
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    if rows:
+        out[mask] = torch.cat(rows)
+    return out, mask
+
+
+def _id_set(*values: Any) -> set[int]:
+    ids: set[int] = set()
+    for v in values:
+        if v is None:
+            continue
+        ids.update([int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)])
+    return ids
+
+
+class TransformersWrapper(TensorDictModuleBase):
+    """Sample from or score with an HF causal LM on TensorDicts.
+
+    Args:
+        model: any ``AutoModelForCausalLM`` (or PEFT model). Its train/eval mode is not
+            changed; keep it in eval mode for RL so that sampling and scoring agree.
+        tokenizer: required for ``"history"`` and ``"text"`` modes; gives eos and pad ids.
+        input_mode: ``"history"`` (chats, rendered by the tokenizer's own chat template),
+            ``"text"`` or ``"tokens"``.
+        generate: True samples a response after ``(input_mode, "prompt")``; False scores
+            ``(input_mode, "full")``.
+        return_log_probs: write ``(log_probs_key, "full"|"response")``.
+        pad_output: padded tensors with masks (True) or jagged nested tensors (False).
+        log_probs_key: first element of the log-prob keys.
+        temperature: sampling temperature, also used for every log-prob.
+        generate_kwargs: ``max_new_tokens`` (default 256), ``top_k``, ``top_p``,
+            ``do_sample`` (default True), ``generator`` (a ``torch.Generator``).
+        chunk_size: tokens per chunk of the output-head computation.
+        device: device the model runs on (default: where its parameters are).
+        padding_side: side of the padding in padded outputs.
+        token_budget: most ``rows * longest_row`` tokens in one scoring forward pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        input_mode: str = "history",
+        generate: bool = True,
+        return_log_probs: bool = True,
+        pad_output: bool = True,
+        log_probs_key: str = "log_probs",
+        temperature: float = 1.0,
+        generate_kwargs: dict[str, Any] | None = None,
+        chunk_size: int | None = None,
+        device: torch.device | str | None = None,
+        padding_side: str = "left",
+        token_budget: int = 4096,
+    ) -> None:
+        super().__init__()
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"input_mode: expected one of {INPUT_MODES}, got {input_mode!r}.")
+        if input_mode != "tokens" and tokenizer is None:
+            raise ValueError(
+                f"tokenizer: input_mode={input_mode!r} needs a tokenizer to render and encode "
+                "inputs, got None. Pass the model's tokenizer or use input_mode='tokens'."
+            )
+        if not temperature > 0:
+            raise ValueError(f"temperature: expected a positive float, got {temperature}.")
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
+        unknown = set(generate_kwargs or {}) - _GENERATE_OPTIONS
+        if unknown:
+            raise ValueError(
+                f"generate_kwargs: unsupported options {sorted(unknown)}; supported: "
+                f"{sorted(_GENERATE_OPTIONS)}."
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.input_mode = input_mode
+        self.generate = generate
+        self.return_log_probs = return_log_probs
+        self.pad_output = pad_output
+        self.log_probs_key = log_probs_key
+        self.temperature = float(temperature)
+        self.generate_kwargs = {"max_new_tokens": _DEFAULT_MAX_NEW_TOKENS, **(generate_kwargs or {})}
+        self.chunk_size = chunk_size
+        self.padding_side = padding_side
+        self.token_budget = token_budget
+        self._device = torch.device(device) if device is not None else None
+        self.eos_ids, self.pad_id = self._special_ids(model, tokenizer)
+        stage = "prompt" if generate else "full"
+        self.in_keys = [(input_mode, stage)]
+        out = [("tokens", "full"), ("masks", "all_attention_mask"), ("masks", "all_assistant_mask")]
+        if generate:
+            out += [("tokens", "prompt"), ("tokens", "response"), ("text", "response")]
+        if return_log_probs:
+            out += [(log_probs_key, "full")] + ([(log_probs_key, "response")] if generate else [])
+        self.out_keys = out
+
+    @staticmethod
+    def _special_ids(model: nn.Module, tokenizer: Any) -> tuple[set[int], int]:
+        gen = getattr(model, "generation_config", None)
+        cfg = getattr(model, "config", None)
+        eos = _id_set(
+            getattr(tokenizer, "eos_token_id", None),
+            getattr(gen, "eos_token_id", None),
+            getattr(cfg, "eos_token_id", None),
+        )
+        if not eos:
+            raise ValueError(
+                "tokenizer/model: no eos token id found on the tokenizer, generation_config or "
+                "config. Set model.generation_config.eos_token_id."
+            )
+        pads = [getattr(tokenizer, "pad_token_id", None), getattr(gen, "pad_token_id", None),
+                getattr(cfg, "pad_token_id", None)]
+        pad = next((int(p) for p in pads if p is not None), min(eos))
+        return eos, pad
+
+    @property
+    def device(self) -> torch.device:
+        if self._device is not None:
+            return self._device
+        return next(self.model.parameters()).device
+
+    # ---------------------------------------------------------------- public API
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self.generate:
+            self._generate(tensordict)
+        else:
+            self._score(tensordict)
+        return tensordict
+
+    def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False) -> TokenStats:
+        """Per-token log-probs (and entropies) of ``tokens [B, T]`` under this model.
+
+        Differentiable when grad mode is on; the result lives on the model's device.
+        """
+        return score_tokens(
+            self.model,
+            tokens.to(self.device),
+            attention_mask.to(self.device),
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            token_budget=self.token_budget,
+            with_entropy=with_entropy,
+        )
+
+    # ---------------------------------------------------------------- encoding
+    def _encode_texts(self, texts: list[str], padding_side: str) -> tuple[Tensor, Tensor]:
+        rows = [torch.tensor(self.tokenizer(t)["input_ids"], dtype=torch.long) for t in texts]
+        return _stack_rows(rows, padding_side, self.pad_id)
+
+    def _encode(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
+        """Token ids of ``(input_mode, stage)`` laid out with ``padding_side`` padding."""
+        readers: dict[str, Callable[[TensorDictBase, str, str], EncodedBatch]] = {
+            "history": self._encode_history,
+            "text": self._encode_text,
+            "tokens": self._encode_tokens,
+        }
+        return readers[self.input_mode](td, stage, padding_side)
+
+    def _encode_history(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
+        chats = read_chats(td, ("history", stage))
+        enc = tokenize_chats(self.tokenizer, chats, add_generation_prompt=stage == "prompt")
+        ids, mask = _stack_rows(enc.input_ids, padding_side, self.pad_id)
+        assistant, _ = _stack_rows(enc.assistant_mask, padding_side, False)
+        return EncodedBatch(ids=ids, mask=mask, assistant_mask=assistant)
+
+    def _encode_text(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
+        ids, mask = self._encode_texts(read_strings(td, ("text", stage)), padding_side)
+        prompt_lengths = None
+        if stage == "full" and ("text", "prompt") in td.keys(include_nested=True):
+            p_ids, p_mask = self._encode_texts(read_strings(td, ("text", "prompt")), "right")
+            prompt_lengths = p_mask.sum(-1)
+            full_right, _ = repack(ids, mask, "right")
+            head = full_right[:, : p_ids.shape[-1]]
+            if head.shape != p_ids.shape or bool(((head != p_ids) & p_mask).any()):
+                raise ValueError(
+                    "('text', 'prompt'): the tokenised prompt is not a token prefix of the "
+                    "tokenised ('text', 'full'), so the response cannot be located. Use "
+                    "input_mode='tokens' with explicit prompt tokens."
+                )
+        return EncodedBatch(ids=ids, mask=mask, prompt_lengths=prompt_lengths)
+
+    def _encode_tokens(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
+        mask_key = ("masks", "all_attention_mask" if stage == "full" else "prompt_attention_mask")
+        ids, mask = read_ragged(td, ("tokens", stage), mask_key)
+        ids, mask = repack(ids, mask, padding_side)
+        assistant = None
+        prompt_lengths = None
+        if stage == "full":
+            found = read_ragged(td, ("masks", "all_assistant_mask"), mask_key, required=False)
+            if found is not None:
+                assistant, _ = repack(found[0].bool(), found[1], padding_side)
+            prompt = read_ragged(td, ("tokens", "prompt"), ("masks", "prompt_attention_mask"), required=False)
+            if prompt is not None:
+                prompt_lengths = prompt[1].sum(-1)
+        return EncodedBatch(ids=ids.long(), mask=mask, assistant_mask=assistant, prompt_lengths=prompt_lengths)
+
+    # ---------------------------------------------------------------- generation
+    def _generate(self, td: TensorDictBase) -> None:
+        prompt = self._encode(td, "prompt", "left")
+        opts = self.generate_kwargs
+        sample = sample_responses(
+            self.model,
+            prompt.ids.to(self.device),
+            prompt.mask.to(self.device),
+            max_new_tokens=int(opts["max_new_tokens"]),
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            temperature=self.temperature,
+            top_k=opts.get("top_k"),
+            top_p=opts.get("top_p"),
+            do_sample=bool(opts.get("do_sample", True)),
+            generator=opts.get("generator"),
+        )
+        out_device = td.device if td.device is not None else prompt.ids.device
+        resp_ids, resp_mask = sample.tokens.to(out_device), sample.mask.to(out_device)
+        resp_lp = sample.log_probs.to(out_device)
+        # Left-padded prompt followed by right-padded response: one contiguous run per row.
+        full_ids = torch.cat([prompt.ids, resp_ids], dim=1)
+        full_mask = torch.cat([prompt.mask, resp_mask], dim=1)
+        assistant = torch.cat([torch.zeros_like(prompt.mask), resp_mask], dim=1)
+        self._write_common(td, full_ids, full_mask, assistant)
+        ragged = dict(pad_output=self.pad_output, padding_side=self.padding_side)
+        write_ragged(td, ("tokens", "prompt"), prompt.ids, prompt.mask, pad_value=self.pad_id, **ragged)
+        write_ragged(td, ("tokens", "response"), resp_ids, resp_mask, pad_value=self.pad_id, **ragged)
+        if self.return_log_probs:
+            full_lp = torch.cat([torch.zeros(prompt.ids.shape, device=out_device), resp_lp], dim=1)
+            write_ragged(td, (self.log_probs_key, "full"), full_lp, full_mask, **ragged)
+            write_ragged(td, (self.log_probs_key, "response"), resp_lp, resp_mask, **ragged)
+        td.set("response_truncated", ~sample.finished.to(out_device))
+        self._write_texts(td, prompt, resp_ids, resp_mask)
+
+    def _write_texts(self, td: TensorDictBase, prompt: EncodedBatch, resp_ids: Tensor, resp_mask: Tensor) -> None:
+        tok = self.tokenizer
+        if tok is None:
+            return
+        prompt_rows = [r[m].tolist() for r, m in zip(prompt.ids, prompt.mask)]
+        resp_rows = [r[m].tolist() for r, m in zip(resp_ids, resp_mask)]
+        prompt_text = tok.batch_decode(prompt_rows, skip_special_tokens=False)
+        answer = tok.batch_decode(resp_rows, skip_special_tokens=True)
+        full_text = [p + tok.decode(r, skip_special_tokens=False) for p, r in zip(prompt_text, resp_rows)]
+        write_objects(td, ("text", "prompt"), prompt_text)
+        write_objects(td, ("text", "response"), answer)
+        write_objects(td, ("text", "full"), full_text)
+        if self.input_mode == "history":
+            chats = read_chats(td, ("history", "prompt"))
+            write_objects(td, ("history", "full"),
+                          [c + [{"role": "assistant", "content": a}] for c, a in zip(chats, answer)])
+
+    # ---------------------------------------------------------------- scoring
+    def _score(self, td: TensorDictBase) -> None:
+        enc = self._encode(td, "full", "right")
+        stats = self.score(enc.ids, enc.mask)
+        out_device = td.device if td.device is not None else enc.ids.device
+        assistant = enc.assistant_mask
+        if assistant is None and enc.prompt_lengths is not None:
+            position = enc.mask.long().cumsum(-1) - 1
+            assistant = enc.mask & (position >= enc.prompt_lengths.to(enc.mask.device)[:, None])
+        self._write_common(td, enc.ids, enc.mask, assistant)
+        if not self.return_log_probs:
+            return
+        lp = stats.log_probs.to(out_device)
+        if not torch.is_grad_enabled():
+            lp = lp.detach()
+        ragged = dict(pad_output=self.pad_output, padding_side=self.padding_side)
+        write_ragged(td, (self.log_probs_key, "full"), lp, enc.mask, **ragged)
+        if enc.prompt_lengths is not None:
+            write_ragged(td, (self.log_probs_key, "response"), lp, assistant, **ragged)
+            write_ragged(td, ("tokens", "response"), enc.ids, assistant, pad_value=self.pad_id, **ragged)
+
+    def _write_common(self, td: TensorDictBase, ids: Tensor, mask: Tensor, assistant: Tensor | None) -> None:
+        ragged = dict(pad_output=self.pad_output, padding_side=self.padding_side)
+        write_ragged(td, ("tokens", "full"), ids, mask, mask_key=("masks", "all_attention_mask"),
+                     pad_value=self.pad_id, **ragged)
+        if assistant is not None:
+            write_ragged(td, ("masks", "all_assistant_mask"), assistant & mask, mask, **ragged)
+

@@ -1,0 +1,169 @@
+"""Argument checks and chunking helpers shared by the vocabulary reductions.
+
+``logprobs.py`` and ``exact_kl.py`` accept the same kinds of arguments (logits, hidden
+states with an ``lm_head``, labels, temperature, chunk size); checking them in one place
+keeps their error messages identical. Every failure is a ``TypeError`` or ``ValueError``
+naming the argument, what was expected, what came, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16 / fp16 are upcast)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def chunk_bounds(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` row ranges of at most ``chunk_size`` rows covering ``range(n)``."""
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+def check_temperature(temperature: object) -> float:
+    """Return ``temperature`` as a float after checking it is a finite number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(
+            f"temperature must be a Python int or float, got {type(temperature).__name__}; "
+            "pass the sampling temperature as a number (a tensor would force a host sync)"
+        )
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(
+            f"temperature must be finite and > 0, got {temperature}; pass the temperature "
+            "the samples were drawn with (1.0 for the plain softmax)"
+        )
+    return float(temperature)
+
+
+def check_chunk_size(chunk_size: object, *, allow_none: bool) -> int | None:
+    """Return ``chunk_size`` after checking it is a positive int (or None where allowed)."""
+    if chunk_size is None and allow_none:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        expected = "a positive int or None" if allow_none else "a positive int"
+        raise TypeError(
+            f"chunk_size must be {expected}, got {type(chunk_size).__name__}; "
+            "pass the number of tokens to process per chunk, e.g. 1024"
+        )
+    if chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size must be > 0, got {chunk_size}; pass the number of tokens per "
+            "chunk, e.g. 1024"
+        )
+    return chunk_size
+
+
+def _check_float_tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise TypeError(
+            f"{name} must be a floating point tensor, got dtype {value.dtype}; "
+            f"convert it with {name}.float()"
+        )
+    return value
+
+
+def check_logits(name: str, logits: object) -> Tensor:
+    """``logits`` must be a floating tensor ``[..., T, V]`` with ``V >= 1``."""
+    _check_float_tensor(name, logits)
+    if logits.dim() < 2 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have shape [..., T, V] with V >= 1, got {tuple(logits.shape)}; "
+            "add the token dimension (e.g. logits[None]) or check the vocabulary size"
+        )
+    return logits
+
+
+def check_same_device(name: str, value: Tensor, ref_name: str, ref: Tensor) -> None:
+    if value.device != ref.device:
+        raise ValueError(
+            f"{name} is on {value.device} but {ref_name} is on {ref.device}; "
+            f"move {name} with .to({ref_name}.device)"
+        )
+
+
+def check_head(
+    hidden: object,
+    weight: object,
+    bias: object,
+    hidden_name: str,
+    weight_name: str,
+    bias_name: str,
+) -> None:
+    """``hidden [..., T, H]``, ``weight [V, H]``, ``bias [V]`` or None, one dtype, one device."""
+    _check_float_tensor(hidden_name, hidden)
+    _check_float_tensor(weight_name, weight)
+    if hidden.dim() < 2:
+        raise ValueError(
+            f"{hidden_name} must have shape [..., T, H], got {tuple(hidden.shape)}; "
+            f"add the token dimension, e.g. {hidden_name}[None]"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"{weight_name} must have shape [V, H] with V >= 1 and H = {hidden_name}.shape[-1]"
+            f" = {hidden.shape[-1]}, got {tuple(weight.shape)}; pass lm_head.weight of the "
+            "model that produced the hidden states"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"{weight_name} has dtype {weight.dtype} but {hidden_name} has {hidden.dtype}; "
+            f"cast one of them so both match (the projection runs in the model dtype)"
+        )
+    check_same_device(weight_name, weight, hidden_name, hidden)
+    if bias is None:
+        return
+    _check_float_tensor(bias_name, bias)
+    if tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"{bias_name} must have shape [V] = ({weight.shape[0]},), got "
+            f"{tuple(bias.shape)}; pass lm_head.bias or None"
+        )
+    if bias.dtype != weight.dtype:
+        raise TypeError(
+            f"{bias_name} has dtype {bias.dtype} but {weight_name} has {weight.dtype}; "
+            "cast the bias to the weight dtype"
+        )
+    check_same_device(bias_name, bias, weight_name, weight)
+
+
+def check_labels(
+    labels: object, lead_shape: torch.Size, vocab: int, device: torch.device, source: str
+) -> Tensor:
+    """Return ``labels`` as int64 after checking dtype, shape ``lead_shape`` and ``[0, V)``.
+
+    The range check reads one boolean back to the host; it is the price of a clear error
+    instead of an index failure deep inside ``gather``.
+    """
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of token ids, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(
+            f"labels must be an integer tensor (torch.long), got dtype {labels.dtype}; "
+            "convert token ids with labels.long()"
+        )
+    if labels.shape != lead_shape:
+        raise ValueError(
+            f"labels must have shape {tuple(lead_shape)} ({source}.shape[:-1]), got "
+            f"{tuple(labels.shape)}; pass one label per scored position, aligned by the caller"
+        )
+    if labels.device != device:
+        raise ValueError(
+            f"labels is on {labels.device} but {source} is on {device}; "
+            f"move labels with .to({source}.device)"
+        )
+    if labels.numel() > 0:
+        low, high = torch.aminmax(labels)
+        if bool((low < 0) | (high >= vocab)):
+            raise ValueError(
+                f"labels must lie in [0, V) = [0, {vocab}), got values in [{int(low)}, "
+                f"{int(high)}]; replace ignore ids such as -100 by any valid id (e.g. 0) "
+                "and mask those positions afterwards"
+            )
+    return labels.long()

@@ -1,0 +1,156 @@
+"""The one reduction of per-token values to a scalar, shared by every loss and metric.
+
+Modes (a registry, ``AGGREGATION_MODES``):
+
+* ``token-mean``: sum over valid tokens / number of valid tokens (DAPO, verl default).
+* ``seq-mean-token-mean``: mean over each row's valid tokens, then mean over rows
+  (the GRPO paper).
+* ``seq-mean-token-sum``: sum over each row's valid tokens, then mean over rows.
+* ``seq-mean-token-sum-norm``: each row's sum divided by a constant ``normalizer`` (the
+  maximal response length in Dr. GRPO), then mean over rows.
+
+Rows without any valid token are left out of the sequence means (they neither add a zero
+nor count in the denominator), and a batch with no valid token at all aggregates to 0.
+Masked entries are replaced rather than multiplied by 0, so NaN or inf padding never
+leaks into the result or its gradient.
+
+``denominator`` replaces the outer count (tokens for ``token-mean``, sequences for the
+other modes). Passing ``aggregate_denominator(full_mask, mode)`` to every micro-batch of a
+batch makes the micro-batch results add up to the full-batch value, which plain
+per-micro-batch means do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Real
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class _Mode:
+    # row_stat maps (values with masked entries zeroed, mask, normalizer) to [B] per-row
+    # contributions; None means the numerator is the plain token sum.
+    row_stat: Callable[[Tensor, Tensor, Tensor | float | None], Tensor] | None
+    needs_normalizer: bool = False
+
+
+def _row_mean(values: Tensor, mask: Tensor, normalizer: Tensor | float | None) -> Tensor:
+    counts = mask.sum(dim=-1)
+    return values.sum(dim=-1) / counts.clamp_min(1)
+
+
+def _row_sum(values: Tensor, mask: Tensor, normalizer: Tensor | float | None) -> Tensor:
+    return values.sum(dim=-1)
+
+
+def _row_sum_norm(values: Tensor, mask: Tensor, normalizer: Tensor | float | None) -> Tensor:
+    return values.sum(dim=-1) / normalizer
+
+
+AGGREGATION_MODES: dict[str, _Mode] = {
+    "token-mean": _Mode(row_stat=None),
+    "seq-mean-token-mean": _Mode(row_stat=_row_mean),
+    "seq-mean-token-sum": _Mode(row_stat=_row_sum),
+    "seq-mean-token-sum-norm": _Mode(row_stat=_row_sum_norm, needs_normalizer=True),
+}
+
+
+def _mode(mode: str) -> _Mode:
+    if mode not in AGGREGATION_MODES:
+        supported = ", ".join(repr(name) for name in AGGREGATION_MODES)
+        raise ValueError(f"mode={mode!r} is not supported; choose one of: {supported}.")
+    return AGGREGATION_MODES[mode]
+
+
+def _check_mask(mask: Tensor) -> None:
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"mask must be a bool tensor [B, T]; got {got}. Use mask.bool() or mask > 0.")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, T]; got shape {tuple(mask.shape)}.")
+
+
+def _check_positive(name: str, value: Tensor | float | None) -> None:
+    if value is None or isinstance(value, Tensor):
+        return
+    if not isinstance(value, Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a positive number or a tensor; got {type(value).__name__}.")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0; got {value}. Pass the positive count or length it stands for.")
+
+
+def aggregate_denominator(mask: Tensor, mode: str) -> Tensor:
+    """The outer count of ``mode`` for a (micro-)batch.
+
+    Args:
+        mask: ``bool [B, T]`` valid tokens.
+        mode: a key of ``AGGREGATION_MODES``.
+
+    Returns:
+        Scalar ``int64`` tensor: the number of valid tokens for ``token-mean``, the number
+        of rows with at least one valid token for the sequence modes.
+    """
+    spec = _mode(mode)
+    _check_mask(mask)
+    if spec.row_stat is None:
+        return mask.sum()
+    return mask.any(dim=-1).sum()
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    normalizer: Tensor | float | None = None,
+    denominator: Tensor | float | None = None,
+) -> Tensor:
+    """Reduce per-token ``values`` over the valid tokens of ``mask`` to a scalar.
+
+    Args:
+        values: ``[B, T]`` per-token values (loss, KL, clip indicator, entropy...).
+        mask: ``bool [B, T]`` valid tokens.
+        mode: a key of ``AGGREGATION_MODES`` (see the module docstring).
+        normalizer: the constant per-row divisor of ``seq-mean-token-sum-norm`` (required
+            there, ignored elsewhere); > 0.
+        denominator: replaces the outer count (see ``aggregate_denominator``); default is
+            this batch's own count. Must be > 0 where the batch has valid tokens.
+
+    Returns:
+        Scalar tensor in the dtype of ``values`` (bool and integer values, e.g. a clip
+        indicator, are promoted to the default float dtype); 0 when no token is valid.
+
+    Worked check: loss 1 on a length-2 row and 2 on a length-4 row (``T = 4``) gives
+    10/6 (token-mean), 1.5 (seq-mean-token-mean), 5 (seq-mean-token-sum) and 1.25
+    (seq-mean-token-sum-norm, normalizer 4).
+    """
+    spec = _mode(mode)
+    _check_mask(mask)
+    if not isinstance(values, Tensor) or values.shape != mask.shape:
+        got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+        raise ValueError(f"values must be a tensor with the mask's shape {tuple(mask.shape)}; got {got}.")
+    if spec.needs_normalizer and normalizer is None:
+        raise ValueError(
+            f"mode={mode!r} needs normalizer (a constant per-row divisor such as the maximal "
+            "response length); pass normalizer=<positive number>."
+        )
+    _check_positive("normalizer", normalizer)
+    _check_positive("denominator", denominator)
+
+    if not values.is_floating_point():
+        values = values.to(torch.get_default_dtype())
+    kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if spec.row_stat is None:
+        numerator = kept.sum()
+    else:
+        numerator = spec.row_stat(kept, mask, normalizer).sum()
+    if denominator is None:
+        denominator = aggregate_denominator(mask, mode)
+    count = torch.as_tensor(denominator, device=values.device)
+    # An empty (micro-)batch has numerator 0; dividing by 1 then keeps the result 0.
+    safe = torch.where(count > 0, count, torch.ones_like(count))
+    return numerator / safe.to(numerator.dtype)

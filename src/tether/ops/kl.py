@@ -1,0 +1,261 @@
+"""Sample-based KL estimators and the differentiable KL term of an RL loss.
+
+Notation: ``r = logp - ref_logp = log pi(x) - log pi_ref(x)`` for a sampled token ``x``.
+Every estimator below is a function of ``r`` alone, evaluated per token, and is meant to
+estimate the reverse divergence ``KL(pi || pi_ref) = E_{x~pi}[r]``.
+
+How it departs from the usual recipe: the GRPO paper (Shao et al. 2024) and TorchRL put
+the raw k3 estimator into the loss. Its value is an unbiased estimate of ``KL(pi||pi_ref)``
+but its expected gradient is that of the forward divergence ``KL(pi_ref||pi)``.
+``kl_loss_term`` defaults to an importance-weighted form whose expected gradient is the
+gradient of the reverse divergence, on-policy and off-policy; the raw form stays available
+as ``correction=None``. Using k1 (or abs) as a loss is refused: see ``kl_loss_term``.
+
+Sequences: summing a per-token loss term over the tokens of a sequence gives, in
+expectation, the gradient of the per-token divergences with every context held fixed. The
+gradient of the sequence-level KL also has a term for how earlier tokens change the
+contexts of later ones. That term is captured by putting k1 into the reward and using the
+return (reward-to-go), or by applying ``kl_loss_term`` to sequence-level log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+KLEstimator = Callable[[Tensor, Tensor], Tensor]
+
+
+def _check_pair(logp: Tensor, ref_logp: Tensor, names: tuple[str, str]) -> None:
+    if not isinstance(logp, Tensor) or not isinstance(ref_logp, Tensor):
+        raise TypeError(
+            f"{names[0]} and {names[1]} must be torch.Tensor; got "
+            f"{type(logp).__name__} and {type(ref_logp).__name__}. Convert them with torch.as_tensor."
+        )
+    if logp.shape != ref_logp.shape:
+        raise ValueError(
+            f"{names[1]} must have the shape of {names[0]} {tuple(logp.shape)}; got "
+            f"{tuple(ref_logp.shape)}. Align both to the same tokens (no broadcasting here)."
+        )
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log pi - log pi_ref, per token.
+
+    Args:
+        logp: ``[...]`` log pi of the sampled tokens.
+        ref_logp: ``[...]`` log pi_ref of the same tokens.
+
+    Returns:
+        ``[...]`` estimate, same shape.
+
+    Bias: none; ``E_pi[k1] = KL(pi||pi_ref)``. A single sample can be negative and the
+    variance is the largest of the three classic estimators.
+
+    Gradient as a reward penalty (k1 treated as a constant reward, score-function
+    gradient ``E_pi[k1 * grad log pi]``): exactly ``grad KL(pi||pi_ref)``. This is the
+    right place for k1.
+
+    Gradient as a loss: ``grad k1 = grad log pi`` and ``E_pi[grad log pi] = 0``, so the
+    expected gradient is zero; ``kl_loss_term`` refuses it.
+    """
+    _check_pair(logp, ref_logp, ("logp", "ref_logp"))
+    return logp - ref_logp
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = (log pi - log pi_ref)^2 / 2, per token.
+
+    Args:
+        logp: ``[...]`` log pi of the sampled tokens.
+        ref_logp: ``[...]`` log pi_ref of the same tokens.
+
+    Returns:
+        ``[...]`` estimate, same shape, never negative.
+
+    Bias: ``E_pi[k2]`` agrees with ``KL(pi||pi_ref)`` to second order in ``r`` and differs
+    at third order (it is an f-divergence with ``f(u) = (log u)^2 / 2``); low variance.
+
+    Gradient as a reward penalty: ``E_pi[k2 * grad log pi]`` is not ``grad KL``.
+
+    Gradient as a loss: ``grad k2 = r * grad log pi`` and ``E_pi[r * grad log pi] =
+    grad KL(pi||pi_ref)``, so on-policy the expected gradient is exact. Off-policy
+    (samples from pi_old) it needs the detached weight ``pi/pi_old``.
+    """
+    _check_pair(logp, ref_logp, ("logp", "ref_logp"))
+    return 0.5 * (logp - ref_logp).square()
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = pi_ref/pi - 1 - log(pi_ref/pi), per token (Schulman's estimator).
+
+    Computed as ``expm1(d) - d`` with ``d = ref_logp - logp``, exact near ``d = 0``.
+
+    Args:
+        logp: ``[...]`` log pi of the sampled tokens.
+        ref_logp: ``[...]`` log pi_ref of the same tokens.
+
+    Returns:
+        ``[...]`` estimate, same shape, never negative.
+
+    Bias: none; ``E_pi[pi_ref/pi] = 1`` so ``E_pi[k3] = KL(pi||pi_ref)``. Lower variance
+    than k1 when pi is close to pi_ref.
+
+    Gradient as a reward penalty: ``E_pi[k3 * grad log pi] = grad KL(pi||pi_ref) -
+    grad KL(pi_ref||pi)``, not ``grad KL``.
+
+    Gradient as a loss: ``grad k3 = (1 - pi_ref/pi) * grad log pi``, whose expectation
+    under pi is ``-sum_x pi_ref(x) grad log pi(x) = grad KL(pi_ref||pi)``: the forward
+    divergence. Weighting by ``w = pi/pi_old`` kept in the graph gives
+    ``grad E_pi[k3] = grad KL(pi||pi_ref)``.
+    """
+    _check_pair(logp, ref_logp, ("logp", "ref_logp"))
+    d = ref_logp - logp
+    return torch.expm1(d) - d
+
+
+def kl_abs(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """abs = |log pi - log pi_ref|, per token.
+
+    Args:
+        logp: ``[...]`` log pi of the sampled tokens.
+        ref_logp: ``[...]`` log pi_ref of the same tokens.
+
+    Returns:
+        ``[...]`` estimate, same shape, never negative.
+
+    Bias: upward, ``E_pi|r| >= |E_pi r| = KL(pi||pi_ref)``; a diagnostic of distance
+    rather than an estimate of KL.
+
+    Gradient as a reward penalty: ``E_pi[|r| * grad log pi]`` is not ``grad KL``.
+
+    Gradient as a loss: ``E_pi[sign(r) * grad log pi]``, not ``grad KL``;
+    ``kl_loss_term`` refuses it.
+    """
+    _check_pair(logp, ref_logp, ("logp", "ref_logp"))
+    return (logp - ref_logp).abs()
+
+
+KL_ESTIMATORS: dict[str, KLEstimator] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+    "abs": kl_abs,
+}
+
+
+def _lookup(table: dict, name: object, argument: str) -> Callable:
+    if name not in table:
+        supported = ", ".join(repr(key) for key in table)
+        raise ValueError(f"{argument}={name!r} is not supported; choose one of: {supported}.")
+    return table[name]
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token KL estimate by name: ``KL_ESTIMATORS[estimator](logp, ref_logp)``.
+
+    Args:
+        logp: ``[...]`` log pi of the sampled tokens.
+        ref_logp: ``[...]`` log pi_ref, same shape.
+        estimator: one of ``KL_ESTIMATORS`` (``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``).
+
+    Returns:
+        ``[...]`` per-token estimate.
+    """
+    return _lookup(KL_ESTIMATORS, estimator, "estimator")(logp, ref_logp)
+
+
+_REFUSED_AS_LOSS = {
+    "k1": (
+        "the expected gradient of k1 as a loss is zero: grad k1 = grad log pi and "
+        "E_pi[grad log pi] = 0. k1 belongs in the reward as a penalty, where its "
+        "score-function gradient is grad KL(pi||pi_ref)"
+    ),
+    "abs": (
+        "the expected gradient of abs as a loss is E_pi[sign(r) grad log pi], which is not "
+        "the gradient of any KL. Use it for monitoring only"
+    ),
+}
+
+
+def _importance_k2(logp: Tensor, ref_logp: Tensor, weight: Tensor) -> Tensor:
+    # The weight is a constant: only r * grad log pi is wanted, reweighted to pi.
+    return weight.detach() * kl_k2(logp, ref_logp)
+
+
+def _importance_k3(logp: Tensor, ref_logp: Tensor, weight: Tensor) -> Tensor:
+    # The weight stays in the graph: grad(w k3) integrates to grad E_pi[k3] = grad KL.
+    return weight * kl_k3(logp, ref_logp)
+
+
+_IMPORTANCE_FORMS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "k2": _importance_k2,
+    "k3": _importance_k3,
+}
+
+
+def _importance(estimator: str, logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None) -> Tensor:
+    old = logp.detach() if old_logp is None else old_logp.detach()
+    weight = torch.exp(logp - old)
+    return _IMPORTANCE_FORMS[estimator](logp, ref_logp, weight)
+
+
+def _raw(estimator: str, logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None) -> Tensor:
+    if old_logp is not None:
+        raise ValueError(
+            "old_logp is only used by correction='importance'; with correction=None the raw "
+            f"{estimator} term ignores the sampling policy. Pass old_logp=None, or use "
+            "correction='importance' for samples drawn from pi_old."
+        )
+    return KL_ESTIMATORS[estimator](logp, ref_logp)
+
+
+KL_CORRECTIONS: dict[str | None, Callable[[str, Tensor, Tensor, Tensor | None], Tensor]] = {
+    "importance": _importance,
+    None: _raw,
+}
+
+
+def kl_loss_term(
+    logp: Tensor,
+    ref_logp: Tensor,
+    *,
+    estimator: str = "k3",
+    old_logp: Tensor | None = None,
+    correction: str | None = "importance",
+) -> Tensor:
+    """Per-token differentiable KL term to add to a loss (reduce it with ``aggregate``).
+
+    Args:
+        logp: ``[B, T]`` log pi of the sampled tokens, in the graph.
+        ref_logp: ``[B, T]`` log pi_ref of the same tokens (treated as a constant).
+        estimator: ``"k3"`` or ``"k2"``. ``"k1"`` and ``"abs"`` raise ``ValueError``.
+        old_logp: ``[B, T]`` log pi_old of the policy that drew the samples; ``None``
+            means on-policy (``old = logp.detach()``).
+        correction: a key of ``KL_CORRECTIONS``:
+
+            * ``"importance"`` (default): samples from pi_old, ``w = exp(logp - old_logp)``.
+              k3 gives ``w * k3`` with ``w`` in the graph; k2 gives ``sg(w) * k2``. Both
+              have expected gradient ``grad KL(pi||pi_ref)`` at the current pi, and on
+              policy both have the value of the raw estimator (``w = 1``).
+            * ``None``: the raw estimator as a loss. Raw k3 is the GRPO paper / TorchRL
+              term: its expected gradient is ``grad KL(pi_ref||pi)``, the gradient of the
+              forward KL, not the reverse KL it estimates. Raw k2 is correct only
+              on-policy. ``old_logp`` must be ``None`` here.
+
+    Returns:
+        ``[B, T]`` per-token term (any shape works; the output has the input's shape).
+
+    Per-token terms summed over a sequence differentiate each token's KL at a fixed
+    context; for the sequence-level KL gradient see the module docstring.
+    """
+    if estimator in _REFUSED_AS_LOSS:
+        raise ValueError(f"estimator={estimator!r} cannot be used as a KL loss: {_REFUSED_AS_LOSS[estimator]}.")
+    _lookup(_IMPORTANCE_FORMS, estimator, "estimator")
+    apply = _lookup(KL_CORRECTIONS, correction, "correction")
+    _check_pair(logp, ref_logp, ("logp", "ref_logp"))
+    if old_logp is not None:
+        _check_pair(logp, old_logp, ("logp", "old_logp"))
+    return apply(estimator, logp, ref_logp.detach(), old_logp)

@@ -1,0 +1,240 @@
+"""Token masks and the padded <-> nested layouts, vectorised over rows.
+
+Padded layout: ``[B, T, ...]`` plus ``bool [B, T]``. With ``padding_side="right"`` a row's
+valid tokens sit at ``[0, length)``; with ``"left"`` at ``[T - length, T)``.
+
+Nested layout: a ``torch.jagged`` nested tensor ``[B, j, ...]``. The jagged layout was
+chosen over the strided one because it is one contiguous ``values`` buffer plus
+``offsets``, so both directions are a single boolean-mask gather/scatter with no loop over
+rows, gradients flow through ``values``, and empty rows are allowed. (Strided nested
+tensors are still accepted by ``nested_to_padded``, at the cost of a loop over rows.)
+``padded_to_nested`` keeps a row's valid tokens in order and drops the rest, so a padded
+batch whose mask is one contiguous block per row round-trips exactly on either side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A padded batch: ``values [B, T, ...]`` and its ``mask bool [B, T]``."""
+
+    values: Tensor
+    mask: Tensor
+
+
+def _right_starts(lengths: Tensor, total: int) -> Tensor:
+    return torch.zeros_like(lengths)
+
+
+def _left_starts(lengths: Tensor, total: int) -> Tensor:
+    return total - lengths
+
+
+# Where each row's valid block begins, given the lengths [B] and the padded length T.
+PADDING_SIDES: dict[str, Callable[[Tensor, int], Tensor]] = {
+    "right": _right_starts,
+    "left": _left_starts,
+}
+
+
+def _side(padding_side: str) -> Callable[[Tensor, int], Tensor]:
+    if padding_side not in PADDING_SIDES:
+        supported = ", ".join(repr(name) for name in PADDING_SIDES)
+        raise ValueError(f"padding_side={padding_side!r} is not supported; choose one of: {supported}.")
+    return PADDING_SIDES[padding_side]
+
+
+def _check_lengths(name: str, lengths: Tensor, total: int) -> None:
+    if not isinstance(lengths, Tensor) or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        got = lengths.dtype if isinstance(lengths, Tensor) else type(lengths).__name__
+        raise TypeError(f"{name} must be an integer tensor [B]; got {got}. Use .long().")
+    if lengths.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [B]; got shape {tuple(lengths.shape)}.")
+    if bool(((lengths < 0) | (lengths > total)).any()):
+        raise ValueError(
+            f"{name} must lie in [0, T={total}]; got min {lengths.min().tolist()} and max "
+            f"{lengths.max().tolist()}. Raise T or truncate the sequences first."
+        )
+
+
+def _check_total(total: int) -> None:
+    if isinstance(total, bool) or not isinstance(total, Integral) or total < 0:
+        raise ValueError(f"T must be an integer >= 0; got {total!r}.")
+
+
+def _window(start: Tensor, stop: Tensor, total: int) -> Tensor:
+    positions = torch.arange(total, device=start.device)
+    return (positions >= start[:, None]) & (positions < stop[:, None])
+
+
+def mask_from_lengths(lengths: Tensor, T: int, *, padding_side: str = "right") -> Tensor:
+    """Valid-token mask of rows of the given lengths padded to ``T``.
+
+    Args:
+        lengths: ``[B]`` integer lengths in ``[0, T]``.
+        T: padded length.
+        padding_side: ``"right"`` (tokens first) or ``"left"`` (padding first).
+
+    Returns:
+        ``bool [B, T]``.
+    """
+    starts = _side(padding_side)
+    _check_total(T)
+    _check_lengths("lengths", lengths, T)
+    begin = starts(lengths, T)
+    return _window(begin, begin + lengths, T)
+
+
+def response_mask(
+    prompt_lengths: Tensor, lengths: Tensor, T: int, *, padding_side: str = "right"
+) -> Tensor:
+    """Mask of the response tokens: the part of each row after its prompt.
+
+    Args:
+        prompt_lengths: ``[B]`` prompt lengths, ``<= lengths``.
+        lengths: ``[B]`` total (prompt + response) lengths in ``[0, T]``.
+        T: padded length.
+        padding_side: side of the padding, as in ``mask_from_lengths``.
+
+    Returns:
+        ``bool [B, T]``, True on positions ``[prompt_length, length)`` of each row's valid
+        block.
+    """
+    starts = _side(padding_side)
+    _check_total(T)
+    _check_lengths("lengths", lengths, T)
+    _check_lengths("prompt_lengths", prompt_lengths, T)
+    if prompt_lengths.shape != lengths.shape:
+        raise ValueError(
+            f"prompt_lengths must have the shape of lengths {tuple(lengths.shape)}; got {tuple(prompt_lengths.shape)}."
+        )
+    if bool((prompt_lengths > lengths).any()):
+        raise ValueError(
+            "prompt_lengths must be <= lengths (lengths count prompt and response together); "
+            f"got prompt_lengths {prompt_lengths.tolist()} and lengths {lengths.tolist()}."
+        )
+    begin = starts(lengths, T)
+    return _window(begin + prompt_lengths, begin + lengths, T)
+
+
+def _eos_tensor(eos_ids: int | Sequence[int] | Tensor, device: torch.device) -> Tensor:
+    if isinstance(eos_ids, Tensor):
+        ids = eos_ids.reshape(-1)
+        bad = ids.is_floating_point() or ids.dtype == torch.bool
+    elif isinstance(eos_ids, Integral) and not isinstance(eos_ids, bool):
+        ids, bad = torch.tensor([int(eos_ids)]), False
+    elif isinstance(eos_ids, Sequence) and all(isinstance(i, Integral) and not isinstance(i, bool) for i in eos_ids):
+        ids, bad = torch.tensor([int(i) for i in eos_ids], dtype=torch.long), False
+    else:
+        ids, bad = None, True
+    if bad:
+        raise TypeError(f"eos_ids must be an int or a sequence of ints; got {eos_ids!r}.")
+    if ids.numel() == 0:
+        raise ValueError("eos_ids is empty; pass at least one end-of-sequence token id.")
+    return ids.to(device)
+
+
+def truncate_at_first_eos(tokens: Tensor, mask: Tensor, eos_ids: int | Sequence[int] | Tensor) -> Tensor:
+    """Mask that keeps each row up to and including its first valid end-of-sequence token.
+
+    Only tokens inside ``mask`` count as an end of sequence, so a pad id equal to the eos
+    id (common with left padding) does not truncate anything. Rows without an eos are
+    returned unchanged.
+
+    Args:
+        tokens: ``[B, T]`` token ids.
+        mask: ``bool [B, T]`` valid tokens.
+        eos_ids: one id or several (any of them ends a sequence).
+
+    Returns:
+        ``bool [B, T]``, a subset of ``mask``.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError("mask must be a bool tensor [B, T]; use mask.bool().")
+    if not isinstance(tokens, Tensor) or tokens.shape != mask.shape or tokens.dim() != 2:
+        got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be [B, T] with the mask's shape {tuple(mask.shape)}; got {got}.")
+    ends = torch.isin(tokens, _eos_tensor(eos_ids, tokens.device)) & mask
+    ends_before = ends.cumsum(dim=-1) - ends.long()
+    return mask & (ends_before == 0)
+
+
+def padded_to_nested(x: Tensor, mask: Tensor) -> Tensor:
+    """Jagged nested tensor of each row's valid entries, in order.
+
+    Args:
+        x: ``[B, T, ...]`` padded values (any side).
+        mask: ``bool [B, T]`` valid entries.
+
+    Returns:
+        ``torch.jagged`` nested tensor ``[B, j, ...]`` whose row ``b`` is ``x[b][mask[b]]``;
+        differentiable w.r.t. ``x``.
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise TypeError("mask must be a bool tensor [B, T]; use mask.bool().")
+    if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[:2] != mask.shape:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"x must be [B, T, ...] with [B, T] = {tuple(mask.shape)}; got {got}.")
+    lengths = mask.sum(dim=-1)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(dim=0)])
+    return torch.nested.nested_tensor_from_jagged(x[mask], offsets)
+
+
+def _jagged_parts(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Values ``[N, ...]`` in row order and lengths ``[B]`` of a nested tensor."""
+    if x.layout == torch.jagged:
+        offsets = x.offsets()
+        lengths = x.lengths() if x.lengths() is not None else offsets.diff()
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        packed_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(dim=0)[:-1]])
+        within = torch.arange(rows.numel(), device=lengths.device) - packed_starts[rows]
+        return x.values()[offsets[rows] + within], lengths
+    # Strided nested tensors keep one buffer per row: there is no flat view to gather from.
+    rows = x.unbind()
+    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.long, device=x.device)
+    return torch.cat(rows), lengths
+
+
+def nested_to_padded(
+    x: Tensor,
+    *,
+    padding_value: float = 0,
+    padding_side: str = "right",
+    total_length: int | None = None,
+) -> Padded:
+    """Padded tensor and mask from a nested tensor ``[B, j, ...]``.
+
+    Args:
+        x: nested tensor (jagged, or strided) whose rows are ``[n_b, ...]``.
+        padding_value: value written at padded positions.
+        padding_side: ``"right"`` or ``"left"``.
+        total_length: padded length ``T``; default the longest row. Must be at least that.
+
+    Returns:
+        ``Padded(values [B, T, ...], mask bool [B, T])``; differentiable w.r.t. ``x``.
+    """
+    if not isinstance(x, Tensor) or not x.is_nested:
+        raise TypeError(f"x must be a nested tensor; got {type(x).__name__}. Build one with padded_to_nested.")
+    _side(padding_side)
+    values, lengths = _jagged_parts(x)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if total_length is None:
+        total_length = longest
+    _check_total(total_length)
+    if total_length < longest:
+        raise ValueError(
+            f"total_length={total_length} is shorter than the longest row ({longest}); "
+            "pass total_length >= the longest row, or None."
+        )
+    mask = mask_from_lengths(lengths, total_length, padding_side=padding_side)
+    out = values.new_full((lengths.numel(), total_length, *values.shape[1:]), padding_value)
+    out = out.index_put((mask,), values)
+    return Padded(values=out, mask=mask)
