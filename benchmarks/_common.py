@@ -74,7 +74,7 @@ def measure_in_subprocess(
             f"benchmark child {setup_name}({kwargs}) failed with exit code "
             f"{proc.returncode}:\n{proc.stderr[-4000:]}"
         )
-    data = json.loads(lines[-1][len(_RESULT_TAG):])
+    data = json.loads(lines[-1][len(_RESULT_TAG) :])
     return Measurement(
         median_s=data["median_s"],
         times_s=tuple(data["times_s"]),

@@ -124,13 +124,26 @@ def run_table(shapes, args) -> str:
             targets = ["", ""]
             if impl == "tether":
                 targets = [_verdict(t_ratio, TIME_TARGET), _verdict(m_ratio, MEMORY_TARGET)]
-            rows.append([
-                mode, impl, f"{m.median_s:.3f}", f"{t_ratio:.2f}x",
-                mib(m.peak_rss_growth_bytes), f"{m_ratio:.3f}x", *targets,
-            ])
+            rows.append(
+                [
+                    mode,
+                    impl,
+                    f"{m.median_s:.3f}",
+                    f"{t_ratio:.2f}x",
+                    mib(m.peak_rss_growth_bytes),
+                    f"{m_ratio:.3f}x",
+                    *targets,
+                ]
+            )
     headers = [
-        "mode", "implementation", "median time (s)", "time / naive",
-        "peak RSS growth (MiB)", "memory / naive", "time target", "memory target",
+        "mode",
+        "implementation",
+        "median time (s)",
+        "time / naive",
+        "peak RSS growth (MiB)",
+        "memory / naive",
+        "time target",
+        "memory target",
     ]
     return markdown_table(headers, rows)
 

@@ -127,7 +127,11 @@ def _clear_gguf_marker(model: PreTrainedModel) -> None:
     model whose layers really are packed is never passed off as dense.
     """
     packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
-    odd = [n for n, p in model.named_parameters() if type(p.data) is not torch.Tensor or not p.is_floating_point()]
+    odd = [
+        name
+        for name, param in model.named_parameters()
+        if type(param.data) is not torch.Tensor or not param.is_floating_point()
+    ]
     if packed or odd:
         raise RuntimeError(
             f"the GGUF model still holds packed layers {packed} / non-dense parameters {odd[:5]}; "
@@ -144,8 +148,10 @@ def _clear_gguf_marker(model: PreTrainedModel) -> None:
 def convert_gguf(gguf_path: Path, *, dtype: torch.dtype = torch.float32):
     """Load the GGUF file with ``transformers`` into a dense ``(model, tokenizer)`` pair."""
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype, **_gguf_load_kwargs())
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=dtype, local_files_only=True, **_gguf_load_kwargs()
+    )
     _clear_gguf_marker(model)
     return model.eval(), tokenizer
 

@@ -72,7 +72,9 @@ def _check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch
         raise ValueError("attention_mask must hold only 0/1 (or bool) values; pass the tokenizer's mask")
     empty = (~mask.any(dim=-1)).nonzero().flatten().tolist()
     if empty:
-        raise ValueError(f"attention_mask rows {empty} have no valid token; drop empty sequences before scoring")
+        raise ValueError(
+            f"attention_mask rows {empty} have no valid token; drop empty sequences before scoring"
+        )
     return mask
 
 

@@ -19,12 +19,20 @@ time instead; that path is exact but keeps one micro-batch of logits alive.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from tether.ops import TokenStats, token_entropy, token_logprobs, token_stats_from_hidden
+from tether.models.reference import AdapterDisabledReference
+from tether.ops import (
+    TokenStats,
+    exact_kl_from_hidden,
+    token_entropy,
+    token_logprobs,
+    token_stats_from_hidden,
+)
 
 # Config attributes that mean "logits are not just lm_head(hidden)".
 _NONLINEAR_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -138,31 +146,119 @@ def score_tokens(
         )
     if token_budget < 1:
         raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    with ExitStack() as stack:
+        if isinstance(model, AdapterDisabledReference):
+            # The reference shares the policy's weights: score the base model with the adapter
+            # off, and never let gradients reach the shared parameters through it.
+            stack.enter_context(torch.no_grad())
+            model = stack.enter_context(model.disabled())
+        return _score(model, tokens, attention_mask, temperature, chunk_size, token_budget, with_entropy)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One right-padded micro-batch cut out of a ``[B, T]`` batch."""
+
+    ids: Tensor  # long [b, L] on the model's device
+    valid: Tensor  # bool [b, L] on the model's device
+    flat_index: Tensor  # long [n]: row * T + column of each predicted token (t >= 1)
+    keep: Tensor  # bool [b, L - 1]: which predicted positions are real tokens
+
+
+def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int, device) -> list[MicroBatch]:
+    """Cut a padded batch into length-sorted, right-padded micro-batches (see module doc)."""
     start, lengths = row_spans(attention_mask)
+    width = tokens.shape[-1]
+    out: list[MicroBatch] = []
+    for rows in plan_micro_batches(lengths, token_budget):
+        length = int(lengths[rows].max())
+        if length < 2:
+            continue  # a row of 0 or 1 token has no predicted token
+        cols = torch.arange(length, device=tokens.device)
+        src = (start[rows, None] + cols).clamp(max=width - 1)
+        valid = cols < lengths[rows, None]
+        ids = torch.where(valid, tokens[rows[:, None], src], 0)
+        keep = valid[:, 1:]
+        flat_index = (rows[:, None] * width + src[:, 1:])[keep]
+        out.append(MicroBatch(ids.to(device), valid.to(device), flat_index.to(device), keep.to(device)))
+    return out
+
+
+def _score(
+    model: nn.Module,
+    tokens: Tensor,
+    attention_mask: Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    token_budget: int,
+    with_entropy: bool,
+) -> TokenStats:
     parts = causal_lm_parts(model)
     device = parts.head.weight.device
     batch, width = tokens.shape
     flat_lp: list[Tensor] = []
     flat_ent: list[Tensor] = []
     flat_index: list[Tensor] = []
-    for rows in plan_micro_batches(lengths, token_budget):
-        length = int(lengths[rows].max())
-        if length < 2:
-            continue  # nothing to score: a row of 0 or 1 token has no predicted token
-        cols = torch.arange(length, device=tokens.device)
-        src = (start[rows, None] + cols).clamp(max=width - 1)
-        valid = cols < lengths[rows, None]
-        ids = torch.where(valid, tokens[rows[:, None], src], 0).to(device)
-        stats = _micro_batch_stats(parts, ids, valid.to(device), temperature, chunk_size, with_entropy)
-        keep = valid[:, 1:]
-        # Scatter targets in the caller's layout: row, and column start + t for t >= 1.
-        flat_index.append((rows[:, None] * width + src[:, 1:])[keep])
-        flat_lp.append(stats.log_probs[keep.to(device)])
+    for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
+        stats = _micro_batch_stats(parts, mb.ids, mb.valid, temperature, chunk_size, with_entropy)
+        flat_index.append(mb.flat_index)
+        flat_lp.append(stats.log_probs[mb.keep])
         if with_entropy:
-            flat_ent.append(stats.entropy[keep.to(device)])
+            flat_ent.append(stats.entropy[mb.keep])
     log_probs = _scatter(flat_index, flat_lp, batch, width, device)
     entropy = _scatter(flat_index, flat_ent, batch, width, device) if with_entropy else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
+
+
+def _last_hidden(model: nn.Module, ids: Tensor, valid: Tensor) -> tuple[Tensor, nn.Module]:
+    """Final hidden states ``[b, L, H]`` of a plain-head causal LM and its head."""
+    parts = causal_lm_parts(model)
+    if parts.decoder is None:
+        raise TypeError(
+            f"model: {type(model).__name__} has a non-linear output head (soft-capping or logit "
+            "scaling); exact KL from hidden states needs a plain linear head."
+        )
+    hidden = parts.decoder(input_ids=ids, attention_mask=valid.long(), use_cache=False).last_hidden_state
+    return hidden, parts.head
+
+
+@torch.no_grad()
+def exact_kl_tokens(
+    model: nn.Module,
+    reference: nn.Module,
+    tokens: Tensor,
+    attention_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    token_budget: int = 4096,
+) -> Tensor:
+    """Exact KL(pi(.|x_<t) || pi_ref(.|x_<t)) at every position ``t`` of ``tokens [B, T]``.
+
+    Aligned like log-probs: entry ``t`` is the KL of the distributions that predict token
+    ``t``; 0 at each row's first token and at padding. Full-vocabulary, never ``[B, T, V]``.
+    """
+    parts = causal_lm_parts(model)
+    device = parts.head.weight.device
+    batch, width = tokens.shape
+    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+    values: list[Tensor] = []
+    index: list[Tensor] = []
+    for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
+        hidden, head = _last_hidden(model, mb.ids, mb.valid)
+        with ExitStack() as stack:
+            ref = reference
+            if isinstance(reference, AdapterDisabledReference):
+                ref = stack.enter_context(reference.disabled())
+            ref_hidden, ref_head = _last_hidden(ref, mb.ids, mb.valid)
+        kl = exact_kl_from_hidden(
+            hidden[:, :-1], head.weight, ref_hidden[:, :-1], ref_head.weight,
+            temperature=temperature, lm_head_bias=getattr(head, "bias", None),
+            ref_lm_head_bias=getattr(ref_head, "bias", None), **kwargs,
+        )
+        values.append(kl[mb.keep])
+        index.append(mb.flat_index)
+    return _scatter(index, values, batch, width, device)
 
 
 def _micro_batch_stats(

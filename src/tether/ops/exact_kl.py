@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from tether.ops._vocab_checks import (
     check_chunk_size,
@@ -30,13 +29,14 @@ from tether.ops._vocab_checks import (
     chunk_bounds,
     compute_dtype,
 )
-from tether.ops.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    _HeadGrads,
-    _head_logits,
-    _load_logits,
-    _shift_max_,
+from tether.ops._vocab_chunks import (
+    HeadGrads,
+    first_order_only,
+    head_logits,
+    load_logits,
+    shift_max_,
 )
+from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
 
 
 def _log_softmax_(z: Tensor, spare: Tensor) -> Tensor:
@@ -44,7 +44,7 @@ def _log_softmax_(z: Tensor, spare: Tensor) -> Tensor:
 
     Returns the row sums ``[C, 1]`` of ``spare`` (so ``spare / sums`` is the softmax).
     """
-    _shift_max_(z)
+    shift_max_(z)
     total = torch.exp(z, out=spare).sum(-1, keepdim=True)
     z.sub_(total.log())
     return total
@@ -108,16 +108,20 @@ class _LogitsKL(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype, ref_logits.dtype)
         n, vocab = logits.shape
         kl = _kl_forward(
-            lambda a, b, out: _load_logits(logits[a:b], temperature, out),
-            lambda a, b, out: _load_logits(ref_logits[a:b], temperature, out),
-            logits, n, vocab, dtype, chunk_size,
+            lambda a, b, out: load_logits(logits[a:b], temperature, out),
+            lambda a, b, out: load_logits(ref_logits[a:b], temperature, out),
+            logits,
+            n,
+            vocab,
+            dtype,
+            chunk_size,
         )
         ctx.save_for_backward(logits, ref_logits)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         return kl
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, g):
         logits, ref_logits = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
@@ -129,9 +133,14 @@ class _LogitsKL(torch.autograd.Function):
             grad[rows] = grad_z
 
         _kl_backward(
-            lambda a, b, out: _load_logits(logits[a:b], temperature, out),
-            lambda a, b, out: _load_logits(ref_logits[a:b], temperature, out),
-            consume, logits, logits.shape[0], logits.shape[1], ctx.dtype, ctx.chunk_size,
+            lambda a, b, out: load_logits(logits[a:b], temperature, out),
+            lambda a, b, out: load_logits(ref_logits[a:b], temperature, out),
+            consume,
+            logits,
+            logits.shape[0],
+            logits.shape[1],
+            ctx.dtype,
+            ctx.chunk_size,
             g.to(ctx.dtype) / temperature,
         )
         return grad, None, None, None
@@ -144,19 +153,25 @@ class _HiddenKL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature, chunk_size):
+    def forward(
+        ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature, chunk_size
+    ):
         dtype = compute_dtype(hidden.dtype, ref_hidden.dtype)
         kl = _kl_forward(
-            lambda a, b, out: _head_logits(hidden[a:b], weight, bias, temperature, out),
-            lambda a, b, out: _head_logits(ref_hidden[a:b], ref_weight, ref_bias, temperature, out),
-            hidden, hidden.shape[0], weight.shape[0], dtype, chunk_size,
+            lambda a, b, out: head_logits(hidden[a:b], weight, bias, temperature, out),
+            lambda a, b, out: head_logits(ref_hidden[a:b], ref_weight, ref_bias, temperature, out),
+            hidden,
+            hidden.shape[0],
+            weight.shape[0],
+            dtype,
+            chunk_size,
         )
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
         return kl
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, g):
         hidden, weight, bias, ref_hidden, ref_weight, ref_bias = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -164,11 +179,16 @@ class _HiddenKL(torch.autograd.Function):
         if not (need_h or need_w or need_b):
             return (None, None, None, *nothing)
         temperature, dtype = ctx.temperature, ctx.dtype
-        grads = _HeadGrads(hidden, weight, bias, need_h, need_w, need_b, dtype)
+        grads = HeadGrads(hidden, weight, bias, need_h, need_w, need_b, dtype)
         _kl_backward(
-            lambda a, b, out: _head_logits(hidden[a:b], weight, bias, temperature, out),
-            lambda a, b, out: _head_logits(ref_hidden[a:b], ref_weight, ref_bias, temperature, out),
-            grads.accumulate, hidden, hidden.shape[0], weight.shape[0], dtype, ctx.chunk_size,
+            lambda a, b, out: head_logits(hidden[a:b], weight, bias, temperature, out),
+            lambda a, b, out: head_logits(ref_hidden[a:b], ref_weight, ref_bias, temperature, out),
+            grads.accumulate,
+            hidden,
+            hidden.shape[0],
+            weight.shape[0],
+            dtype,
+            ctx.chunk_size,
             g.to(dtype) / temperature,
         )
         return (*grads.result(), *nothing)
@@ -247,8 +267,12 @@ def exact_kl_from_hidden(
     chunk_size = check_chunk_size(chunk_size, allow_none=False)
     check_head(hidden, lm_head_weight, lm_head_bias, "hidden", "lm_head_weight", "lm_head_bias")
     check_head(
-        ref_hidden, ref_lm_head_weight, ref_lm_head_bias,
-        "ref_hidden", "ref_lm_head_weight", "ref_lm_head_bias",
+        ref_hidden,
+        ref_lm_head_weight,
+        ref_lm_head_bias,
+        "ref_hidden",
+        "ref_lm_head_weight",
+        "ref_lm_head_bias",
     )
     if ref_hidden.shape[:-1] != hidden.shape[:-1]:
         raise ValueError(
@@ -264,8 +288,13 @@ def exact_kl_from_hidden(
     check_same_device("ref_hidden", ref_hidden, "hidden", hidden)
     lead = hidden.shape[:-1]
     kl = _HiddenKL.apply(
-        hidden.reshape(-1, hidden.shape[-1]), lm_head_weight, lm_head_bias,
-        ref_hidden.reshape(-1, ref_hidden.shape[-1]), ref_lm_head_weight, ref_lm_head_bias,
-        temperature, chunk_size,
+        hidden.reshape(-1, hidden.shape[-1]),
+        lm_head_weight,
+        lm_head_bias,
+        ref_hidden.reshape(-1, ref_hidden.shape[-1]),
+        ref_lm_head_weight,
+        ref_lm_head_bias,
+        temperature,
+        chunk_size,
     )
     return kl.reshape(lead)

@@ -1,0 +1,318 @@
+"""``GRPOLoss``: the clipped GRPO objective with a KL leash, composed from ``tether.ops``.
+
+Shao et al. (2024) with the refinements that later work added, each an option. How it
+departs from the paper and from TorchRL's ``GRPOLoss`` (the seed), and why:
+
+* One ``actor_network.score`` call recomputes the current log-probs (and the exact
+  categorical entropy) padding-free from hidden states; no ``[B, T, V]`` logits.
+* The tokens trained on are an explicit mask (loss mask and attention mask). The seed took
+  ``log_prob != 0`` as "valid", which drops real tokens of probability 1 and counts none
+  of the padding problems it meant to catch.
+* Every loss term (surrogate, entropy bonus, both KL terms) is reduced by
+  ``tether.ops.aggregate`` with the same mode and mask, so the KL term follows the
+  aggregation mode and padding never dilutes it. The seed averaged the KL over the padded
+  grid: with 25 % valid tokens it reported a quarter of the KL.
+* The KL term defaults to the importance-weighted k3 of ``tether.ops.kl_loss_term``, whose
+  expected gradient is that of the reverse KL(pi || pi_ref) even off-policy; the seed's raw
+  k3 (``kl_correction=None``) follows the gradient of the forward KL. Like every per-token
+  KL loss, its sum over a response differentiates each token's KL with that token's
+  context held fixed: the effect of early tokens on the KL of later ones is not in the
+  gradient. For the exact sequence-KL gradient put k1 in the reward and use the
+  reward-to-go (``MCAdvantage(reward_to_go=True)``), or apply the term to sequence-level
+  log-probs.
+* Nothing is written into the caller's TensorDict (the seed stashed ``_cur_log_prob``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from numbers import Real
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor, nn
+
+from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, read_grpo_batch
+from tether.objectives.grpo_output import LOSS_FIELDS, GRPOLossOutput
+from tether.ops import (
+    aggregate,
+    clipped_surrogate,
+    effective_sample_size,
+    gspo_log_ratio,
+    importance_weights,
+    kl_estimate,
+    kl_loss_term,
+)
+
+
+def _token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+
+
+# How the importance ratio of each token is formed: its own (PPO / GRPO) or its sequence's
+# length-normalised one (GSPO-token).
+RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": _token_log_ratio,
+    "sequence": gspo_log_ratio,
+}
+
+# TorchRL's spellings of the aggregation modes that tether also has.
+_AGGREGATION_ALIASES = {"token_mean": "token-mean", "prompt_mean": "seq-mean-token-mean"}
+
+
+def _coefficient(name: str, value: Any, *, optional: bool) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
+        allowed = "None or a finite number >= 0" if optional else "a finite number >= 0"
+        raise ValueError(f"{name} must be {allowed}; got {value!r}.")
+    return float(value)
+
+
+class GRPOLoss(nn.Module):
+    """GRPO loss on a batch of sampled responses, with optional KL leashes.
+
+    Args:
+        actor_network: the policy, a ``tether.models.TransformersWrapper`` (any object with
+            ``score(tokens, attention_mask, *, with_entropy) -> TokenStats`` works). Its
+            temperature must be the sampling temperature.
+        clip_epsilon: ``eps`` or ``(low, high)`` (clip-higher, DAPO): ratios are clipped to
+            ``[1 - low, 1 + high]``.
+        entropy_bonus: add ``-entropy_coeff * entropy`` to the loss.
+        samples_mc_entropy: accepted for TorchRL compatibility and unused: the entropy of
+            the categorical next-token distribution is exact, not a Monte-Carlo estimate.
+        entropy_coeff: weight of the entropy bonus.
+        aggregation: a mode of ``tether.ops.AGGREGATION_MODES`` (TorchRL's ``"token_mean"``
+            and ``"prompt_mean"`` are accepted too); used for every ``loss_*`` term.
+        kl_to_ref_coeff: weight of the KL term to the reference policy; ``None`` disables it
+            (and the reference log-probs are then not needed).
+        kl_to_inference_coeff: weight of the KL term to the sampling policy; ``None``
+            disables it.
+        kl_estimator: ``"k3"`` or ``"k2"``, the per-token KL term (``tether.ops.kl_loss_term``).
+        kl_correction: ``"importance"`` (expected gradient of KL(pi || target), also
+            off-policy) or ``None`` (raw estimator: the GRPO paper / TorchRL term, whose k3
+            gradient is that of the forward KL). Both differentiate each token's KL with its
+            context fixed; see the module docstring for the exact sequence gradient.
+        device: accepted for TorchRL compatibility; the loss holds no buffers and computes
+            on the device of the actor's log-probs.
+        dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-c A``.
+        ratio_level: ``"token"`` (PPO / GRPO) or ``"sequence"`` (GSPO).
+        importance_correction: ``None``, ``"tis"`` or ``"mis"``: reweight each token by
+            ``w = pi_old / pi_sampler`` truncated (TIS) or masked (MIS) at
+            ``importance_cap``, for a sampler (e.g. vLLM) that disagrees with the trainer.
+            ``pi_old`` is read from ``tensor_keys.old_log_probs`` (the trainer's log-probs
+            under the weights that sampled) and is then also the ratio's denominator. If
+            that key is absent, ``pi_old`` is taken as the current policy (detached): exact
+            when each batch is used for one optimiser step (then the weights were not
+            updated since sampling); with several steps per batch store the old log-probs,
+            or the ratio stays 1 and the clip never acts.
+        importance_cap: the TIS / MIS threshold (> 0).
+        normalizer: the constant per-row divisor of ``"seq-mean-token-sum-norm"`` (e.g.
+            the maximal response length, Dr. GRPO).
+
+    ``forward(td, *, denominator=None)`` returns a ``GRPOLossOutput``. ``denominator``
+    replaces the outer count of the aggregation (see ``tether.ops.aggregate_denominator``):
+    pass the full batch's count to every micro-batch and the summed micro-batch losses
+    equal the full-batch loss, gradients included. Diagnostics (``clip_fraction``,
+    ``kl_approx``, ``ESS``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``) are masked
+    token means of the batch passed in, whatever the aggregation mode.
+    """
+
+    _AcceptedKeys = GRPOKeys
+
+    def __init__(
+        self,
+        actor_network: Any,
+        *,
+        clip_epsilon: float | tuple[float, float] = 0.2,
+        entropy_bonus: bool = True,
+        samples_mc_entropy: int = 1,
+        entropy_coeff: float = 0.01,
+        aggregation: str = "token-mean",
+        kl_to_ref_coeff: float | None = None,
+        kl_to_inference_coeff: float | None = None,
+        kl_estimator: str = "k3",
+        kl_correction: str | None = "importance",
+        device: torch.device | str | None = None,
+        dual_clip: float | None = None,
+        ratio_level: str = "token",
+        importance_correction: str | None = None,
+        importance_cap: float = 2.0,
+        normalizer: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not callable(getattr(actor_network, "score", None)):
+            raise TypeError(
+                f"actor_network must have a score(tokens, attention_mask, *, with_entropy) method, as "
+                f"tether.models.TransformersWrapper does; got {type(actor_network).__name__}."
+            )
+        if not isinstance(entropy_bonus, bool):
+            raise TypeError(f"entropy_bonus must be a bool; got {type(entropy_bonus).__name__}.")
+        if isinstance(samples_mc_entropy, bool) or not isinstance(samples_mc_entropy, int) or samples_mc_entropy < 1:
+            raise ValueError(f"samples_mc_entropy must be an int >= 1; got {samples_mc_entropy!r}.")
+        if isinstance(entropy_coeff, bool) or not isinstance(entropy_coeff, Real) or not math.isfinite(entropy_coeff):
+            raise ValueError(f"entropy_coeff must be a finite number; got {entropy_coeff!r}.")
+        if ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level={ratio_level!r} is not supported; choose one of: {', '.join(map(repr, RATIO_LEVELS))}.")
+        self.actor_network = actor_network
+        self.clip_epsilon = clip_epsilon
+        self.dual_clip = dual_clip
+        self.entropy_bonus = entropy_bonus
+        self.samples_mc_entropy = samples_mc_entropy
+        self.entropy_coeff = float(entropy_coeff)
+        self.aggregation = _AGGREGATION_ALIASES.get(aggregation, aggregation)
+        self.normalizer = normalizer
+        self.kl_to_ref_coeff = kl_to_ref_coeff
+        self.kl_to_inference_coeff = kl_to_inference_coeff
+        self.kl_estimator = kl_estimator
+        self.kl_correction = kl_correction
+        self.ratio_level = ratio_level
+        self.importance_correction = importance_correction
+        self.importance_cap = importance_cap
+        self.device = None if device is None else torch.device(device)
+        self._tensor_keys = GRPOKeys()
+        self._validate_by_dry_run()
+
+    def _validate_by_dry_run(self) -> None:
+        # The ops raise typed errors that name the bad option and list the valid ones; one
+        # call on a 1x1 batch surfaces them at construction instead of at the first step.
+        one, on = torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
+        clipped_surrogate(one, one, clip_epsilon=self.clip_epsilon, dual_clip=self.dual_clip)
+        if self.normalizer is not None and self.aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(
+                f"normalizer is only used by aggregation='seq-mean-token-sum-norm'; got aggregation="
+                f"{self.aggregation!r} with normalizer={self.normalizer!r}. Drop normalizer or change the mode."
+            )
+        aggregate(one, on, self.aggregation, normalizer=self.normalizer)
+        old = one if self.kl_correction == "importance" else None
+        kl_loss_term(one, one, estimator=self.kl_estimator, old_logp=old, correction=self.kl_correction)
+        if self.importance_correction is not None:
+            importance_weights(one, one, on, mode=self.importance_correction, cap=self.importance_cap)
+
+    # ------------------------------------------------------------------ keys and knobs
+    @property
+    def tensor_keys(self) -> GRPOKeys:
+        """The TensorDict keys read by the loss (a ``GRPOKeys``); change them with ``set_keys``."""
+        return self._tensor_keys
+
+    def set_keys(self, **keys: Any) -> GRPOLoss:
+        """Point entries at other keys, e.g. ``loss.set_keys(advantage="adv")``; returns self."""
+        unknown = sorted(set(keys) - set(GRPOKeys.names()))
+        if unknown:
+            raise ValueError(f"set_keys: unknown entries {unknown}; the configurable ones are {list(GRPOKeys.names())}.")
+        self._tensor_keys = dataclasses.replace(self._tensor_keys, **keys)
+        return self
+
+    @property
+    def in_keys(self) -> list:
+        keys = self._tensor_keys
+        found = [keys.action, keys.attention_mask, keys.loss_mask, keys.sample_log_prob, keys.advantage]
+        return found + ([keys.ref_log_probs] if self.kl_to_ref_coeff is not None else [])
+
+    @property
+    def out_keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(GRPOLossOutput)]
+
+    @property
+    def kl_to_ref_coeff(self) -> float | None:
+        return self._kl_to_ref_coeff
+
+    @kl_to_ref_coeff.setter
+    def kl_to_ref_coeff(self, value: float | None) -> None:
+        self._kl_to_ref_coeff = _coefficient("kl_to_ref_coeff", value, optional=True)
+
+    @property
+    def kl_coef(self) -> float | None:
+        """Read/write alias of ``kl_to_ref_coeff``, the knob a KL controller drives."""
+        return self.kl_to_ref_coeff
+
+    @kl_coef.setter
+    def kl_coef(self, value: float | None) -> None:
+        self.kl_to_ref_coeff = value
+
+    @property
+    def kl_to_inference_coeff(self) -> float | None:
+        return self._kl_to_inference_coeff
+
+    @kl_to_inference_coeff.setter
+    def kl_to_inference_coeff(self, value: float | None) -> None:
+        self._kl_to_inference_coeff = _coefficient("kl_to_inference_coeff", value, optional=True)
+
+    # ------------------------------------------------------------------ the loss
+    def forward(self, tensordict: TensorDictBase, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:
+        """Loss terms and diagnostics of one (micro-)batch; ``tensordict`` is left unchanged."""
+        batch = read_grpo_batch(
+            tensordict,
+            self._tensor_keys,
+            with_ref=self.kl_to_ref_coeff is not None,
+            with_old=self.importance_correction is not None,
+        )
+        stats = self.actor_network.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus)
+        cur_all = stats.log_probs
+        batch = batch.to(cur_all.device, cur_all.dtype)
+        mask = batch.mask
+        cur = torch.where(mask, cur_all, torch.zeros_like(cur_all))
+        reduce = partial(aggregate, mask=mask, mode=self.aggregation, normalizer=self.normalizer, denominator=denominator)
+        mean = partial(aggregate, mask=mask, mode="token-mean")
+
+        base = self._ratio_base(cur, batch)
+        policy = clipped_surrogate(
+            RATIO_LEVELS[self.ratio_level](cur, base, mask),
+            batch.advantage,
+            clip_epsilon=self.clip_epsilon,
+            dual_clip=self.dual_clip,
+        )
+        per_token = policy.loss
+        if self.importance_correction is not None:
+            per_token = per_token * importance_weights(
+                base, batch.sample_log_probs, mask, mode=self.importance_correction, cap=self.importance_cap
+            )
+        detached = cur.detach()
+        n_valid = mask.sum().clamp_min(1).to(cur.dtype)
+        out: dict[str, Tensor] = {
+            "loss_objective": reduce(per_token),
+            "clip_fraction": mean(policy.clipped.to(cur.dtype)),
+            "kl_approx": mean(base - detached),
+            "ESS": effective_sample_size(detached - batch.sample_log_probs, mask) / n_valid,
+        }
+        if self.entropy_bonus:
+            entropy = torch.where(mask, stats.entropy.to(cur.dtype), torch.zeros_like(cur))
+            out["entropy"] = mean(entropy.detach())
+            out["loss_entropy"] = -self.entropy_coeff * reduce(entropy)
+        if self.kl_to_ref_coeff is not None:
+            out["loss_kl_to_ref"], out["kl_to_ref"] = self._kl(cur, batch.ref_log_probs, batch, self.kl_to_ref_coeff, reduce)
+        if self.kl_to_inference_coeff is not None:
+            target = batch.sample_log_probs
+            out["loss_kl_to_inference"], out["kl_to_inference"] = self._kl(
+                cur, target, batch, self.kl_to_inference_coeff, reduce
+            )
+        return GRPOLossOutput(**out, batch_size=[])
+
+    def _ratio_base(self, cur: Tensor, batch: GRPOBatch) -> Tensor:
+        """Log-probs of the ratio's denominator: the sampler's, or the trainer's old ones."""
+        if self.importance_correction is None:
+            return batch.sample_log_probs
+        if batch.old_log_probs is not None:
+            return batch.old_log_probs
+        return cur.detach()
+
+    def _kl(self, cur: Tensor, target: Tensor, batch: GRPOBatch, coeff: float, reduce: Callable) -> tuple[Tensor, Tensor]:
+        """(coeff * reduced KL loss term, masked mean of the KL estimate) against ``target``."""
+        # The samples were drawn by the sampler, so its log-probs weight the importance form.
+        old = batch.sample_log_probs if self.kl_correction == "importance" else None
+        term = kl_loss_term(cur, target, estimator=self.kl_estimator, old_logp=old, correction=self.kl_correction)
+        estimate = kl_estimate(cur.detach(), target, self.kl_estimator)
+        return coeff * reduce(term), aggregate(estimate, batch.mask, "token-mean")
+
+    def extra_repr(self) -> str:
+        return (
+            f"clip_epsilon={self.clip_epsilon}, aggregation={self.aggregation!r}, ratio_level={self.ratio_level!r}, "
+            f"kl_to_ref_coeff={self.kl_to_ref_coeff}, kl_estimator={self.kl_estimator!r}, "
+            f"kl_correction={self.kl_correction!r}, entropy_coeff={self.entropy_coeff if self.entropy_bonus else None}"
+        )
+
+
+

@@ -1,0 +1,225 @@
+"""What ``GRPOLoss`` reads from a TensorDict: configurable keys and one aligned batch.
+
+Every per-token entry is brought onto the grid of the tokens: padded entries must have the
+tokens' ``[B, T]`` shape; jagged (nested) entries are placed at the valid positions of the
+attention mask, row by row. The mask the loss trains on is always an explicit tensor
+(``loss mask & attention mask``); a log-prob of 0 is a value, never a padding marker.
+Values outside that mask are replaced by 0 so that NaN or inf padding (TorchRL stores NaN
+there) can reach neither a result nor a gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torch import Tensor
+
+from tether.ops import nested_to_padded
+
+
+@dataclass
+class GRPOKeys:
+    """TensorDict keys read by ``GRPOLoss`` (change them with ``GRPOLoss.set_keys``).
+
+    Field names follow TorchRL's GRPO loss where it has one (``advantage``, ``action``,
+    ``sample_log_prob``, ``ref_log_probs``).
+    """
+
+    advantage: NestedKey = "advantage"
+    action: NestedKey = ("tokens", "full")
+    attention_mask: NestedKey = ("masks", "all_attention_mask")
+    loss_mask: NestedKey = ("masks", "all_assistant_mask")
+    sample_log_prob: NestedKey = ("log_probs", "full")
+    ref_log_probs: NestedKey = ("ref_log_probs", "full")
+    old_log_probs: NestedKey = ("old_log_probs", "full")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class GRPOBatch:
+    """One batch on the token grid; every per-token tensor is ``[B, T]`` and 0 outside ``mask``."""
+
+    tokens: Tensor  # long [B, T]
+    attention_mask: Tensor  # bool [B, T]
+    mask: Tensor  # bool [B, T]: tokens the loss trains on
+    sample_log_probs: Tensor  # [B, T]
+    advantage: Tensor  # [B, 1] or [B, T]
+    ref_log_probs: Tensor | None
+    old_log_probs: Tensor | None
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> GRPOBatch:
+        """Float entries cast to ``dtype``; everything moved to ``device``."""
+
+        def move(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.to(device=device, dtype=dtype)
+
+        return GRPOBatch(
+            tokens=self.tokens.to(device),
+            attention_mask=self.attention_mask.to(device),
+            mask=self.mask.to(device),
+            sample_log_probs=move(self.sample_log_probs),
+            advantage=move(self.advantage),
+            ref_log_probs=move(self.ref_log_probs),
+            old_log_probs=move(self.old_log_probs),
+        )
+
+
+def _present(td: TensorDictBase, key: NestedKey) -> bool:
+    return key in td.keys(include_nested=True, leaves_only=False)
+
+
+def _missing(td: TensorDictBase, key: NestedKey, what: str, fix: str) -> KeyError:
+    keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+    return KeyError(f"{key!r}: expected {what} in the input TensorDict, but the key is missing. {fix} Present keys: {keys}.")
+
+
+def _fetch(td: TensorDictBase, key: NestedKey, what: str, fix: str = "") -> Tensor:
+    if not _present(td, key):
+        raise _missing(td, key, what, fix)
+    value = td.get(key)
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{key!r}: expected {what} as a tensor, got {type(value).__name__}.")
+    return value
+
+
+def _squeeze_feature(value: Tensor) -> Tensor:
+    return value.squeeze(-1) if value.dim() == 3 and value.shape[-1] == 1 else value
+
+
+def _on_grid(value: Tensor, key: NestedKey, attention: Tensor, nested_tokens: bool) -> Tensor:
+    """``value`` (padded ``[B, T(, 1)]`` or jagged ``[B, j(, 1)]``) on the tokens' ``[B, T]`` grid."""
+    if value.is_nested:
+        padded = nested_to_padded(value, padding_side="right")
+        rows = _squeeze_feature(padded.values)
+        lengths, expected = padded.mask.sum(-1), attention.sum(-1).to(padded.mask.device)
+        if rows.dim() != 2 or lengths.shape != expected.shape or not torch.equal(lengths, expected):
+            raise ValueError(
+                f"{key!r}: a jagged per-token entry must have one value per valid token of each row; "
+                f"got row lengths {lengths.tolist()[:8]} for token counts {expected.tolist()[:8]}."
+            )
+        return rows.new_zeros(attention.shape).masked_scatter(attention.to(rows.device), rows[padded.mask])
+    value = _squeeze_feature(value)
+    if nested_tokens:
+        raise ValueError(
+            f"{key!r}: the tokens are jagged (nested) but this entry is padded {tuple(value.shape)}, so "
+            "its alignment is unknown. Store both jagged or both padded (pad_output=True)."
+        )
+    if value.shape != attention.shape:
+        raise ValueError(
+            f"{key!r}: expected a per-token tensor [B, T] = {tuple(attention.shape)} aligned with the "
+            f"tokens (or [B, T, 1]); got {tuple(value.shape)}."
+        )
+    return value
+
+
+def _tokens(td: TensorDictBase, keys: GRPOKeys) -> tuple[Tensor, Tensor, bool]:
+    tokens = _fetch(td, keys.action, "the token ids [B, T]", "Set it with loss.set_keys(action=...).")
+    if tokens.is_nested:
+        padded = nested_to_padded(tokens, padding_side="right")
+        return padded.values.long(), padded.mask, True
+    if tokens.dim() != 2:
+        raise ValueError(f"{keys.action!r}: expected token ids [B, T], got shape {tuple(tokens.shape)}.")
+    attention = _fetch(
+        td, keys.attention_mask, "the attention mask of the padded tokens",
+        "Padded tokens need their mask (set it with loss.set_keys(attention_mask=...)).",
+    )
+    attention = _on_grid(attention, keys.attention_mask, torch.ones_like(tokens, dtype=torch.bool), False)
+    if attention.is_floating_point():
+        raise TypeError(f"{keys.attention_mask!r}: expected a bool or integer mask, got {attention.dtype}.")
+    return tokens.long(), attention.bool(), False
+
+
+def _check_finite(value: Tensor, mask: Tensor, key: NestedKey) -> None:
+    bad = mask & ~torch.isfinite(value)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{key!r}: {int(bad.sum())} value(s) inside the loss mask are not finite. Only positions "
+            "outside the mask may hold NaN/inf padding."
+        )
+
+
+def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tokens: bool) -> Tensor:
+    value = _fetch(td, key, "the advantages", "Compute them first (e.g. with MCAdvantage).")
+    rows = attention.shape[0]
+    if value.is_nested or value.dim() == 3 or (value.dim() == 2 and value.shape[-1] != 1):
+        return _on_grid(value, key, attention, nested_tokens)
+    if value.dim() in (1, 2) and value.shape[0] == rows:
+        return value.reshape(rows, 1)
+    raise ValueError(
+        f"{key!r}: expected advantages [B], [B, 1], [B, T] or [B, T, 1] with B = {rows}; got shape "
+        f"{tuple(value.shape)}."
+    )
+
+
+def _ref_log_probs(td: TensorDictBase, key: NestedKey) -> Tensor:
+    if _present(td, key):
+        return td.get(key)
+    nested = ("next", *((key,) if isinstance(key, str) else key))
+    if _present(td, "next") and _present(td, nested):
+        return td.get(nested)
+    raise _missing(
+        td, key, "the reference log-probs (also looked up under 'next')",
+        "Add them with tether.llm.RetrieveLogProb / RetrieveKL, or pass kl_to_ref_coeff=None.",
+    )
+
+
+def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_old: bool) -> GRPOBatch:
+    """Read and align everything one ``GRPOLoss`` call needs.
+
+    Args:
+        td: the batch (padded with masks, or jagged).
+        keys: where each entry lives.
+        with_ref: read the reference log-probs (KeyError if absent).
+        with_old: read the trainer's old log-probs if present (None otherwise).
+
+    Returns:
+        ``GRPOBatch`` on the tokens' grid, values zeroed outside the training mask.
+    """
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"tensordict: expected a TensorDict, got {type(td).__name__}.")
+    tokens, attention, nested = _tokens(td, keys)
+    loss_mask = _fetch(td, keys.loss_mask, "the mask of the tokens to train on", "Set it with loss.set_keys(loss_mask=...).")
+    mask = _on_grid(loss_mask, keys.loss_mask, attention, nested).bool() & attention
+    first = torch.where(attention.any(-1), attention.int().argmax(-1), torch.zeros_like(attention[:, 0], dtype=torch.long))
+    if bool(mask.gather(1, first[:, None]).any()):
+        raise ValueError(
+            f"{keys.loss_mask!r}: the mask covers the first token of a row, which has no prediction "
+            "(no log-prob). Train on response tokens only."
+        )
+    sample = _fetch(td, keys.sample_log_prob, "the sampling log-probs", "They are written at generation time.")
+    if sample.requires_grad:
+        raise ValueError(
+            f"{keys.sample_log_prob!r}: the stored sampling log-probs require grad; they must be constants "
+            "recorded at sampling time. Store them detached (tensor.detach())."
+        )
+    zero = torch.zeros((), dtype=torch.get_default_dtype())
+
+    def clean(value: Tensor, key: NestedKey) -> Tensor:
+        value = _on_grid(value, key, attention, nested)
+        _check_finite(value, mask.to(value.device), key)
+        return torch.where(mask.to(value.device), value, zero.to(value.device, value.dtype))
+
+    advantage = _advantage(td, keys.advantage, attention, nested)
+    if advantage.shape == mask.shape:
+        advantage = clean(advantage, keys.advantage)
+    else:
+        _check_finite(advantage, torch.ones_like(advantage, dtype=torch.bool), keys.advantage)
+    ref = clean(_ref_log_probs(td, keys.ref_log_probs), keys.ref_log_probs) if with_ref else None
+    old = None
+    if with_old and _present(td, keys.old_log_probs):
+        old = clean(td.get(keys.old_log_probs).detach(), keys.old_log_probs)
+    return GRPOBatch(
+        tokens=tokens,
+        attention_mask=attention,
+        mask=mask,
+        sample_log_probs=clean(sample, keys.sample_log_prob),
+        advantage=advantage,
+        ref_log_probs=None if ref is None else ref.detach(),
+        old_log_probs=old,
+    )

@@ -1,0 +1,273 @@
+"""``MCAdvantage``: group complete trajectories by prompt and emit them with advantages.
+
+On the replay-buffer write path (``add``, alias ``_inv_call`` for TorchRL) each complete
+trajectory is queued under its prompt; when ``grpo_size`` trajectories of one prompt are in,
+the whole group is returned with an advantage entry, and its queue is emptied.
+
+Departures from the TorchRL seed, and why:
+
+* The queue of a prompt is emptied when its group is emitted. The seed kept a sliding
+  window (``deque(maxlen=grpo_size)``), so every later trajectory of that prompt re-emitted
+  the previous ``grpo_size - 1`` ones and the buffer filled with duplicates.
+* A batch with two or more dims is read as ``[..., steps]``: each row of the flattened
+  leading dims is a sequence of steps. The seed unbound the *last* (time) dim, which turns
+  time slices into fake trajectories.
+* Every trajectory of a batch must end with ``done``; a batch whose tail is unfinished is
+  refused as a whole (the seed only checked the final step of a single trajectory).
+* Prompts may be strings or chats (lists of ``{"role", "content"}`` messages, grouped by a
+  hash of their canonical JSON). Anything else raises a ``TypeError`` naming the fix.
+* Advantage modes beyond the z-score (``dr_grpo``, ``rloo``) and reward-to-go for per-token
+  rewards (see ``tether.objectives.group_advantage``). Per-token rewards stored padded need
+  their valid-entry mask under ``mask_key``; jagged (nested) rewards carry their own.
+
+``compute(rewards, group_ids, mask=None)`` is the vectorised path for a whole batch whose
+groups are known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torch import Tensor, nn
+
+from tether.objectives.group_advantage import check_advantage_options, mc_group_advantages
+from tether.ops import nested_to_padded, padded_to_nested
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _RewardEntries:
+    """A trajectory's reward entries on a ``[L, W]`` grid and how to write results back."""
+
+    values: Tensor  # [L, W]
+    mask: Tensor  # bool [L, W]
+    restore: Callable[[Tensor], Tensor]  # [L, W] advantages -> the reward's own layout
+
+
+def _present(td: TensorDictBase, key: NestedKey) -> bool:
+    return key in td.keys(include_nested=True, leaves_only=False)
+
+
+def _require(td: TensorDictBase, key: NestedKey, what: str) -> Any:
+    if not _present(td, key):
+        keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
+        raise KeyError(f"{key!r}: expected {what} in the TensorDict, but the key is missing. Present keys: {keys}.")
+    return td.get(key)
+
+
+def prompt_group_key(prompt: Any) -> str:
+    """A hashable queue key for a prompt: the string itself, or a hash of a chat's canonical JSON."""
+    if isinstance(prompt, str):
+        return "text:" + prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        try:
+            canonical = json.dumps(list(prompt), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except TypeError as err:
+            raise TypeError(f"prompt: a chat must hold JSON-serialisable messages; {err}.") from err
+        return "chat:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    raise TypeError(
+        f"prompt: expected a string or a chat (a list of {{'role', 'content'}} dicts), got "
+        f"{type(prompt).__name__}. Point prompt_key at the prompt text, e.g. ('text', 'prompt'), "
+        "or at the prompt chat, e.g. ('history', 'prompt')."
+    )
+
+
+class MCAdvantage(nn.Module):
+    """Monte-Carlo group advantage over complete trajectories sharing a prompt.
+
+    Args:
+        grpo_size: trajectories per prompt that make a group (>= 1; >= 2 for ``rloo``).
+        prompt_key: key of the prompt (string or chat) in the first step of a trajectory.
+        rewards_key: key of the rewards: ``[L]`` / ``[L, 1]`` per step, or per token
+            ``[L, T]`` / ``[L, T, 1]`` (padded, mask under ``mask_key``) or jagged.
+        advantage_key: where the advantage is written, in the reward's own layout.
+        done_key: key of the done flags; the last step of each trajectory must be done.
+        verbose: log each emitted group at INFO level.
+        mode: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"`` (``tether.ops.group_advantages``).
+        std: ``"unbiased"`` or ``"population"`` spread for ``grpo``.
+        reward_to_go: per-token returns instead of per-entry rewards (per-token KL shaping).
+        mask_key: valid-entry mask of padded per-token rewards.
+    """
+
+    def __init__(
+        self,
+        grpo_size: int,
+        prompt_key: NestedKey = "text",
+        rewards_key: NestedKey = ("next", "reward"),
+        advantage_key: NestedKey = "advantage",
+        done_key: NestedKey = ("next", "done"),
+        verbose: bool = False,
+        *,
+        mode: str = "grpo",
+        std: str = "unbiased",
+        reward_to_go: bool = False,
+        mask_key: NestedKey = ("masks", "all_assistant_mask"),
+    ) -> None:
+        super().__init__()
+        if isinstance(grpo_size, bool) or not isinstance(grpo_size, int) or grpo_size < 1:
+            raise ValueError(f"grpo_size must be an int >= 1 (trajectories per prompt); got {grpo_size!r}.")
+        check_advantage_options(mode, std)
+        if mode == "rloo" and grpo_size < 2:
+            raise ValueError("grpo_size must be >= 2 with mode='rloo' (the leave-one-out baseline needs a peer).")
+        self.grpo_size = grpo_size
+        self.prompt_key = prompt_key
+        self.rewards_key = rewards_key
+        self.advantage_key = advantage_key
+        self.done_key = done_key
+        self.verbose = verbose
+        self.mode = mode
+        self.std = std
+        self.reward_to_go = bool(reward_to_go)
+        self.mask_key = mask_key
+        self.in_keys = [prompt_key, rewards_key, done_key]
+        self.out_keys = [advantage_key]
+        self.queues: defaultdict[str, list[TensorDictBase]] = defaultdict(list)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Reading from a buffer changes nothing: the advantage was written by ``add``."""
+        return tensordict
+
+    def compute(self, rewards: Tensor, group_ids: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Advantages of a whole batch of complete trajectories in one pass.
+
+        Args:
+            rewards: ``[N]``, ``[N, 1]``, ``[N, T]`` or ``[N, T, 1]``.
+            group_ids: ``[N]`` integer prompt labels.
+            mask: ``bool [N, T]`` valid entries of per-token rewards (None: all).
+
+        Returns:
+            Advantages with the shape of ``rewards`` (see ``mc_group_advantages``).
+        """
+        return mc_group_advantages(
+            rewards, group_ids, mask, mode=self.mode, std=self.std, reward_to_go=self.reward_to_go
+        )
+
+    def add(self, tensordict: TensorDictBase) -> TensorDictBase | None:
+        """Queue the complete trajectories of ``tensordict``; return the groups it completes.
+
+        Args:
+            tensordict: one trajectory ``[L]`` (steps), several back to back (split at the
+                done flags), or ``[..., L]`` rows of them. A 0-dim TensorDict is one step.
+
+        Returns:
+            The completed groups concatenated along the step dim, each with
+            ``advantage_key`` set, or ``None`` when no group is complete yet. The input
+            TensorDict is never modified.
+        """
+        if not isinstance(tensordict, TensorDictBase):
+            raise TypeError(f"tensordict: expected a TensorDict, got {type(tensordict).__name__}.")
+        emitted = [group for traj in self._trajectories(tensordict) if (group := self._enqueue(traj)) is not None]
+        if not emitted:
+            return None
+        return torch.cat(emitted, 0)
+
+    _inv_call = add  # the name TorchRL's replay buffers call on write
+    inv = add
+
+    def pending(self) -> dict[str, int]:
+        """Queued trajectory count per prompt key (see ``prompt_group_key``)."""
+        return {key: len(queue) for key, queue in self.queues.items() if queue}
+
+    def reset(self) -> None:
+        """Drop every queued trajectory."""
+        self.queues.clear()
+
+    # ------------------------------------------------------------------ splitting
+    def _trajectories(self, td: TensorDictBase) -> list[TensorDictBase]:
+        if td.batch_dims == 0:
+            td = td.unsqueeze(0)
+        if td.batch_dims > 1:
+            rows = td.reshape(-1, td.shape[-1])
+            return [traj for row in rows.unbind(0) for traj in self._split_row(row)]
+        return self._split_row(td)
+
+    def _split_row(self, td: TensorDictBase) -> list[TensorDictBase]:
+        if td.shape[0] == 0:
+            return []
+        done = _require(td, self.done_key, "done flags")
+        done = done.reshape(td.shape[0], -1).any(-1)
+        ends = torch.nonzero(done).flatten() + 1
+        if not bool(done[-1]):
+            last = int(ends[-1]) if ends.numel() else 0
+            raise ValueError(
+                f"{self.done_key!r}: expected complete trajectories, but the last "
+                f"{td.shape[0] - last} step(s) of a batch of {td.shape[0]} are not followed by a "
+                "done step. Add trajectories only once they are done (buffer the steps until "
+                "done=True)."
+            )
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+        return list(td.split(sizes, 0)) if len(sizes) > 1 else [td]
+
+    # ------------------------------------------------------------------ grouping
+    def _enqueue(self, traj: TensorDictBase) -> TensorDictBase | None:
+        prompt = _require(traj[0], self.prompt_key, "the prompt")
+        if isinstance(prompt, TensorDictBase):
+            raise TypeError(
+                f"prompt_key={self.prompt_key!r} points at a sub-TensorDict with keys "
+                f"{sorted(str(k) for k in prompt.keys())}, not at a prompt. Use e.g. "
+                f"prompt_key=('text', 'prompt') or ('history', 'prompt')."
+            )
+        key = prompt_group_key(prompt)
+        queue = self.queues[key]
+        queue.append(traj)
+        if len(queue) < self.grpo_size:
+            return None
+        group = list(queue)
+        del self.queues[key]
+        return self._with_advantages(group, key)
+
+    def _with_advantages(self, group: list[TensorDictBase], key: str) -> TensorDictBase:
+        entries = [self._entries(traj) for traj in group]
+        flat = [e.values[e.mask] for e in entries]
+        lengths = torch.tensor([f.numel() for f in flat])
+        grid = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True)
+        mask = torch.arange(grid.shape[1])[None, :] < lengths[:, None]
+        advantages = self.compute(grid, torch.zeros(len(group), dtype=torch.long), mask.to(grid.device))
+        if self.verbose:
+            _LOG.info("MCAdvantage: group of %d trajectories for %s, rewards %s", len(group), key[:48], flat)
+        out = []
+        for traj, entry, row, count in zip(group, entries, advantages, lengths.tolist()):
+            full = advantages.new_zeros(entry.values.shape).masked_scatter(entry.mask, row[:count])
+            traj = traj.copy()
+            traj.set(self.advantage_key, entry.restore(full))
+            out.append(traj)
+        return torch.cat(out, 0)
+
+    def _entries(self, traj: TensorDictBase) -> _RewardEntries:
+        reward = _require(traj, self.rewards_key, "the rewards")
+        steps = traj.shape[0]
+        if reward.is_nested:
+            padded = nested_to_padded(reward, padding_side="right")
+            trailing = padded.values.dim() == 3
+            values = padded.values.squeeze(-1) if trailing else padded.values
+
+            def restore(adv: Tensor) -> Tensor:
+                return padded_to_nested(adv.unsqueeze(-1) if trailing else adv, padded.mask)
+
+            return _RewardEntries(values, padded.mask, restore)
+        if reward.dim() == 1 or (reward.dim() == 2 and reward.shape[-1] == 1):
+            values = reward.reshape(steps, 1)
+            ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
+            return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))
+        if reward.dim() == 2 or (reward.dim() == 3 and reward.shape[-1] == 1):
+            values = reward.reshape(steps, -1)
+            mask = _require(traj, self.mask_key, "the valid-token mask of the padded per-token rewards")
+            if mask.shape != values.shape:
+                raise ValueError(
+                    f"{self.mask_key!r}: expected a mask of shape {tuple(values.shape)} matching the per-token "
+                    f"rewards {self.rewards_key!r}, got {tuple(mask.shape)}."
+                )
+            return _RewardEntries(values, mask.bool(), lambda adv: adv.reshape(reward.shape))
+        raise ValueError(
+            f"{self.rewards_key!r}: expected rewards [L], [L, 1], [L, T] or [L, T, 1] per trajectory, "
+            f"got shape {tuple(reward.shape)}."
+        )

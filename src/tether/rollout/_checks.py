@@ -1,0 +1,54 @@
+"""Argument checks shared by the rollout classes: typed errors that name the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_generated", "per_step", "positive_int", "real"]
+
+
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}.")
+    return int(value)
+
+
+def real(name: str, value: Any, *, strict: bool, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {value!r} of type {type(value).__name__}.")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name}: expected a finite number, got {value}.")
+    if value < 0 or (strict and value == 0):
+        raise ValueError(f"{name}: expected a number {'>' if strict else '>='} 0, got {value}.")
+    return value
+
+
+def check_generated(generated: Any, size: int, width: int) -> None:
+    if not isinstance(generated, Tensor) or generated.is_floating_point() or generated.dtype == torch.bool:
+        got = generated.dtype if isinstance(generated, Tensor) else type(generated).__name__
+        raise TypeError(f"generated: expected an integer tensor [B, L + N], got {got}. Pass generate(batch).generated.")
+    if tuple(generated.shape) != (size, width):
+        raise ValueError(
+            f"generated: expected shape [B, L + max_new_tokens] = [{size}, {width}], got "
+            f"{tuple(generated.shape)}. Pass the output of generate() for this batch."
+        )
+
+
+def per_step(name: str, values: Any, size: int, steps: int) -> Tensor:
+    if not isinstance(values, Tensor) or not values.is_floating_point():
+        got = values.dtype if isinstance(values, Tensor) else type(values).__name__
+        raise TypeError(f"{name}: expected a float tensor [B, N], got {got}.")
+    if values.dim() == 3 and values.shape[-1] == 1:
+        values = values.squeeze(-1)
+    if tuple(values.shape) != (size, steps):
+        raise ValueError(
+            f"{name}: expected shape [B, N] = [{size}, {steps}] (or [B, N, 1]), got "
+            f"{tuple(values.shape)}. Pass the output of generate() for this batch."
+        )
+    return values

@@ -1,0 +1,69 @@
+"""End-of-sequence and padding ids for a rollout, from the caller, the tokenizer or the model.
+
+The seed hard-coded GPT-2's id 50256 for both; any other tokenizer silently produced wrong
+episode ends. Here an explicit argument wins, then the tokenizer, then the model's
+generation config and config; finding nothing is an error, never a guess.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from torch import nn
+
+__all__ = ["resolve_eos_ids", "resolve_pad_id"]
+
+
+def _as_ids(name: str, value: Any) -> tuple[int, ...]:
+    values = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in values):
+        raise TypeError(f"{name}: expected a non-negative int or a non-empty list of them, got {value!r}.")
+    return tuple(sorted({int(v) for v in values}))
+
+
+def _sources(model: nn.Module, tokenizer: Any) -> tuple[Any, Any, Any]:
+    return tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None)
+
+
+def resolve_eos_ids(eos_token_id: Any, model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a response.
+
+    ``eos_token_id`` (an int or a list) if given; else the union of the tokenizer's, the
+    generation config's and the config's eos ids (a model may list several, e.g. chat
+    models that stop on an end-of-turn token too).
+    """
+    if eos_token_id is not None:
+        return _as_ids("eos_token_id", eos_token_id)
+    found: set[int] = set()
+    for source in _sources(model, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            found.update(_as_ids("eos_token_id (found on the tokenizer/model)", value))
+    if not found:
+        raise ValueError(
+            "eos_token_id: none given and none found on the tokenizer, model.generation_config "
+            "or model.config. Pass eos_token_id=<id> (or tokenizer=...) to RolloutFromModel."
+        )
+    return tuple(sorted(found))
+
+
+def _one_id(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise TypeError(f"{name}: expected one non-negative int, got {value!r}.")
+    return int(value)
+
+
+def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any) -> int:
+    """The id written after a response ends: the argument, else the first one found."""
+    if pad_token_id is not None:
+        return _one_id("pad_token_id", pad_token_id)
+    for source in _sources(model, tokenizer):
+        value = getattr(source, "pad_token_id", None)
+        if value is not None:
+            return _one_id("pad_token_id (found on the tokenizer/model)", value)
+    raise ValueError(
+        "pad_token_id: none given and none found on the tokenizer, model.generation_config or "
+        "model.config. Pass pad_token_id=<id> to RolloutFromModel (the eos id is a common choice "
+        "for models trained without a pad token)."
+    )

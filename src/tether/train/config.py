@@ -1,0 +1,179 @@
+"""``TrainConfig``: the one flat configuration of ``tether train``.
+
+Every field carries its help text in ``metadata["help"]``; the CLI builds its flags and
+``--help`` from them, YAML files use the field names as keys, and ``key=value`` overrides
+apply on top. ``validate()`` reports every problem at once in a single ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _f(default: Any, help: str, **choices: Any) -> Any:
+    return field(default=default, metadata={"help": help, **choices})
+
+
+@dataclass
+class TrainConfig:
+    """GRPO with a KL leash; defaults are tuned for the embedded model on 2 CPU cores."""
+
+    # --- run
+    model: str = _f("default", "Policy: 'default' (embedded SmolLM2-135M-Instruct), 'tiny' (2-layer random model for smoke runs) or a local HF model directory.")
+    task: str = _f("arithmetic", "Task name from the registry, or a path to a .py file defining TASK or make_task().")
+    steps: int = _f(24, "Number of optimizer steps.")
+    seed: int = _f(0, "Seed for data, sampling and initialisation.")
+    out: str = _f("runs/train", "Run directory (config.yaml, metrics.jsonl, plots/, checkpoints/, summary.json).")
+    checkpoint_every: int = _f(4, "Save a checkpoint every K steps (and at the end); 0 saves only at the end.")
+    workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
+    ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one (loopback only).")
+    threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
+    # --- rollout
+    prompts_per_step: int = _f(12, "Distinct prompts per step.")
+    group_size: int = _f(6, "Completions sampled per prompt (G).")
+    max_new_tokens: int = _f(20, "Response length limit during training.")
+    temperature: float = _f(1.0, "Sampling temperature (also used for every log-prob).")
+    # --- optimisation
+    learning_rate: float = _f(2e-4, "AdamW learning rate.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables.")
+    micro_batch_size: int = _f(24, "Sequences per forward/backward pass (gradient accumulation over the step's batch).")
+    lora_rank: int = _f(16, "LoRA rank; 0 fine-tunes every weight.")
+    lora_alpha: float = _f(32.0, "LoRA alpha (scaling = alpha / rank).")
+    lora_targets: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "Comma-separated module names that get LoRA adapters.")
+    # --- loss
+    clip_epsilon: float = _f(0.2, "PPO clip epsilon (low side, and high side unless clip_epsilon_high is set).")
+    clip_epsilon_high: float = _f(0.0, "Upper clip epsilon for clip-higher; 0 uses clip_epsilon.")
+    aggregation: str = _f("token-mean", "Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm.")
+    advantage: str = _f("grpo", "Group advantage: grpo (z-score), dr_grpo (mean only), rloo (leave-one-out).")
+    entropy_coeff: float = _f(0.0, "Entropy bonus coefficient; 0 disables the bonus (entropy is still logged).")
+    # --- KL leash
+    kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
+    kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
+    kl_coef: float = _f(0.05, "Initial KL coefficient beta.")
+    kl_controller: str = _f("constant", "'constant' or 'adaptive' (Ziegler et al. 2019) control of beta.")
+    kl_target: float = _f(1.0, "Adaptive controller target: mean per-sequence summed KL (nats).")
+    kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
+    kl_bound: float = _f(3.0, "Bound on the final mean per-sequence KL reported as met or not in the summary (nats).")
+    reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
+    reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
+    reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
+    # --- evaluation
+    eval_size: int = _f(150, "Held-out problems scored before and after training (greedy decoding).")
+    eval_max_new_tokens: int = _f(20, "Response length limit for evaluation.")
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        """Build from a mapping of field names (YAML keys); unknown keys are errors."""
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"config: unknown keys {unknown}. Valid keys: {cls.field_names()}."
+            )
+        cfg = cls()
+        return cfg.override({k: v for k, v in values.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {path}: expected a YAML mapping of config keys, got {type(data).__name__}.")
+        return cls.from_dict(data)
+
+    def override(self, values: dict[str, Any]) -> "TrainConfig":
+        """A copy with ``values`` (raw strings or typed values) converted to each field's type."""
+        problems: list[str] = []
+        updates: dict[str, Any] = {}
+        types = {f.name: type(f.default) for f in fields(self)}
+        for key, raw in values.items():
+            if key not in types:
+                problems.append(f"unknown key {key!r} (valid: {', '.join(types)})")
+                continue
+            try:
+                updates[key] = _convert(raw, types[key])
+            except ValueError:
+                problems.append(f"{key}: expected {types[key].__name__}, got {raw!r}")
+        if problems:
+            raise ValueError("config: " + "; ".join(problems))
+        return dataclasses.replace(self, **updates)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+    def validate(self) -> "TrainConfig":
+        """Raise one ValueError listing every invalid field, or return self."""
+        p: list[str] = []
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                p.append(msg)
+
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size",
+                     "eval_max_new_tokens", "kl_horizon", "reference_every"):
+            need(getattr(self, name) >= 1, f"{name}: expected >= 1, got {getattr(self, name)}")
+        need(self.group_size >= 2, f"group_size: expected >= 2 (a group of one has no baseline), got {self.group_size}")
+        for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
+                     "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high"):
+            need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
+        need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
+        need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
+        need(0 < self.clip_epsilon < 1, f"clip_epsilon: expected in (0, 1), got {self.clip_epsilon}")
+        need(self.kl_target > 0, f"kl_target: expected > 0, got {self.kl_target}")
+        need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
+        need(0 < self.reference_alpha <= 1, f"reference_alpha: expected in (0, 1], got {self.reference_alpha}")
+        need(self.lora_rank == 0 or self.lora_alpha > 0, f"lora_alpha: expected > 0, got {self.lora_alpha}")
+        for name, allowed in _CHOICES.items():
+            need(getattr(self, name) in allowed, f"{name}: expected one of {sorted(allowed)}, got {getattr(self, name)!r}")
+        if self.kl_mode == "loss":
+            need(self.kl_estimator in ("k2", "k3"), f"kl_estimator: kl_mode='loss' needs k2 or k3, got {self.kl_estimator!r}")
+        need(not (self.lora_rank and self.reference_update == "ema"),
+             "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
+             "does not mix the adapted weights); use 'sync' or lora_rank=0")
+        p.extend(_task_problem(self.task))
+        if p:
+            raise ValueError("invalid configuration:\n  - " + "\n  - ".join(p))
+        return self
+
+
+_CHOICES: dict[str, set[str]] = {
+    "aggregation": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"},
+    "advantage": {"grpo", "dr_grpo", "rloo"},
+    "kl_mode": {"loss", "reward"},
+    "kl_estimator": {"k1", "k2", "k3"},
+    "kl_controller": {"constant", "adaptive"},
+    "reference_update": {"fixed", "sync", "ema"},
+}
+
+
+def _task_problem(task: str) -> list[str]:
+    from tether.train.tasks import TASKS
+
+    if task in TASKS or (task.endswith(".py") and Path(task).is_file()):
+        return []
+    return [f"task: expected a registered task {sorted(TASKS)} or an existing .py file, got {task!r}"]
+
+
+def _convert(raw: Any, kind: type) -> Any:
+    if not isinstance(raw, str):
+        if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+            return raw
+        raise ValueError(raw)
+    if kind is bool:
+        if raw.lower() in ("1", "true", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(raw)
+    return kind(raw)

@@ -1,0 +1,90 @@
+"""Run metrics: one JSON line per step in ``metrics.jsonl`` and PNG plots of the curves."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# (metric key, plot title, y label) for every curve ``tether plot`` draws.
+PLOTTED: tuple[tuple[str, str, str], ...] = (
+    ("reward_mean", "Reward (mean over samples)", "reward"),
+    ("accuracy", "Training accuracy (sampled)", "fraction correct"),
+    ("kl_per_seq", "KL to reference (per sequence)", "nats"),
+    ("kl_per_token", "KL to reference (per token)", "nats"),
+    ("kl_coef", "KL coefficient", "beta"),
+    ("clip_fraction", "Clip fraction", "fraction"),
+    ("ess", "Effective sample size / N", "ESS / N"),
+    ("entropy", "Policy entropy (per token)", "nats"),
+    ("response_length", "Response length", "tokens"),
+)
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl`` that can be cut back to a checkpoint's step on resume."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps later than ``step`` (they are recomputed after a resume)."""
+        kept = [r for r in self.read() if r["step"] <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """``{metric: (steps, values)}`` for every plotted curve (NaN where a step lacks it)."""
+    steps = [r["step"] for r in records]
+    return {key: (steps, [r.get(key, float("nan")) for r in records]) for key, _, _ in PLOTTED}
+
+
+def plot_metrics(run_dir: Path) -> list[Path]:
+    """Write one PNG per curve of ``PLOTTED`` plus an overview grid; return the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = MetricsLog(run_dir / "metrics.jsonl").read()
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl: no metrics to plot; run some steps first.")
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    curves = curve_data(records)
+    written: list[Path] = []
+    cols = 3
+    rows = math.ceil(len(PLOTTED) / cols)
+    grid, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows))
+    for ax_grid, (key, title, ylabel) in zip(axes.flat, PLOTTED):
+        steps, values = curves[key]
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for target in (ax, ax_grid):
+            target.plot(steps, values, marker="o", markersize=3, label=key)
+            target.set_title(title)
+            target.set_xlabel("step")
+            target.set_ylabel(ylabel)
+            target.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{key}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    for ax in list(axes.flat)[len(PLOTTED):]:
+        ax.axis("off")
+    grid.tight_layout()
+    overview = out_dir / "overview.png"
+    grid.savefig(overview, dpi=80)
+    plt.close(grid)
+    written.append(overview)
+    return written

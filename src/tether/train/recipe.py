@@ -1,0 +1,325 @@
+"""The GRPO recipe with a KL leash: config -> models -> rollout -> reward -> advantage -> loss
+-> step -> log, once per step, with exact resume.
+
+Each step draws ``prompts_per_step`` problems, samples ``group_size`` answers per problem,
+scores them with the task's reward, gets the reference log-probs, turns rewards into group
+advantages, and takes one optimizer step on ``GRPOLoss`` (gradient accumulated over
+micro-batches with full-batch denominators, so the update does not depend on the
+micro-batch size). The KL leash is either a gradient-correct loss term (default) or a k1
+per-token reward penalty with reward-to-go; its coefficient can follow an adaptive controller.
+
+Determinism: problems are a pure function of (seed, index), sampling uses its own seeded
+generator, and checkpoints carry every piece of state, so a run killed after any checkpoint
+and resumed ends bit-identical to an uninterrupted one (on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tether.control import make_kl_controller
+from tether.llm import chat_batch
+from tether.models import ReferenceUpdater, TransformersWrapper
+from tether.objectives import GRPOLoss
+from tether.ops import aggregate_denominator, group_advantages, reward_to_go
+from tether.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.train.config import TrainConfig
+from tether.train.evaluate import evaluate
+from tether.train.metrics import MetricsLog, plot_metrics
+from tether.train.setup import build_models
+from tether.train.tasks import Problem, Task, load_task
+
+
+class RewardError(ValueError):
+    """A task's reward function raised or returned a non-finite value for a sample."""
+
+
+@dataclass
+class Run:
+    """Everything a step needs, built once from the config."""
+
+    cfg: TrainConfig
+    dir: Path
+    task: Task
+    held_out: list[Problem]
+    excluded: set[str]
+    models: Any
+    sampler: TransformersWrapper
+    ref_scorer: TransformersWrapper
+    loss: GRPOLoss
+    optimizer: torch.optim.Optimizer
+    controller: Any
+    coef: Any  # object whose kl_coef the controller drives
+    ref_updater: ReferenceUpdater | None
+    generator: torch.Generator
+    metrics: MetricsLog
+
+
+# ------------------------------------------------------------------------------ set-up
+def build_run(cfg: TrainConfig) -> Run:
+    cfg.validate()
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    task = load_task(cfg.task)
+    held_out = task.eval_set(cfg.eval_size)
+    models = build_models(cfg)
+    tok = models.tokenizer
+    generator = torch.Generator().manual_seed(cfg.seed)
+    sampler = TransformersWrapper(
+        models.policy, tok, generate=True, temperature=cfg.temperature,
+        generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
+    )
+    actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
+    ref_scorer = TransformersWrapper(
+        models.reference, tok, input_mode="tokens", generate=False,
+        temperature=cfg.temperature, log_probs_key="ref_log_probs",
+    )
+    clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
+    loss = GRPOLoss(
+        actor, clip_epsilon=clip, entropy_bonus=True, entropy_coeff=cfg.entropy_coeff,
+        aggregation=cfg.aggregation, kl_estimator=cfg.kl_estimator if cfg.kl_mode == "loss" else "k3",
+        kl_to_ref_coeff=cfg.kl_coef if cfg.kl_mode == "loss" else None,
+        normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
+    )
+    coef = loss if cfg.kl_mode == "loss" else SimpleNamespace(kl_coef=cfg.kl_coef)
+    if cfg.kl_controller == "adaptive":
+        controller = make_kl_controller("adaptive", init_kl_coef=cfg.kl_coef, target=cfg.kl_target,
+                                        horizon=cfg.kl_horizon, model=coef)
+    else:
+        controller = make_kl_controller("constant", kl_coef=cfg.kl_coef, model=coef)
+    trainable = [p for p in models.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    ref_updater = None
+    if models.movable_reference is not None:
+        alpha = cfg.reference_alpha if cfg.reference_update == "ema" else None
+        ref_updater = ReferenceUpdater(models.policy, models.movable_reference, mode=cfg.reference_update,
+                                       every=cfg.reference_every, alpha=alpha)
+    return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
+               loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"))
+
+
+# ------------------------------------------------------------------------------ one step
+def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
+    """Sample ``group_size`` answers for each of the step's problems."""
+    cfg = run.cfg
+    first = step * cfg.prompts_per_step
+    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in range(cfg.prompts_per_step)]
+    repeated = [p for p in problems for _ in range(cfg.group_size)]
+    batch = chat_batch([p.chat for p in repeated], key=("history", "prompt"))
+    with torch.no_grad():
+        run.sampler(batch)
+    return batch, repeated
+
+
+def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Task rewards ``[B]`` and correctness ``[B]``; a failing reward names its sample."""
+    answers = batch.get(("text", "response")).tolist()
+    rewards, correct = [], []
+    for i, (answer, problem) in enumerate(zip(answers, problems)):
+        try:
+            value = float(run.task.reward(answer, problem))
+        except Exception as exc:  # the user's reward code: report which sample broke it
+            raise RewardError(
+                f"task {run.task.name!r}: reward raised {type(exc).__name__}: {exc} at step {step}, "
+                f"sample {i} (prompt {problem.chat[-1]['content']!r}, answer {answer!r}). "
+                "Fix the reward function; the run directory still holds the last checkpoint."
+            ) from exc
+        if not math.isfinite(value):
+            raise RewardError(
+                f"task {run.task.name!r}: reward returned {value} at step {step}, sample {i} "
+                f"(prompt {problem.chat[-1]['content']!r}, answer {answer!r}); rewards must be finite."
+            )
+        rewards.append(value)
+        correct.append(float(run.task.is_correct(answer, problem)))
+    return torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct)
+
+
+def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
+    """Write ``advantage`` and ``("ref_log_probs", "full")``; return per-sequence k1 KL."""
+    cfg = run.cfg
+    tokens, attn = batch["tokens", "full"], batch["masks", "all_attention_mask"]
+    mask = batch["masks", "all_assistant_mask"]
+    with torch.no_grad():
+        ref_lp = run.ref_scorer.score(tokens, attn).log_probs.to(tokens.device)
+    batch.set(("ref_log_probs", "full"), ref_lp)
+    log_ratio = (batch["log_probs", "full"] - ref_lp) * mask
+    groups = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size)
+    advantage = group_advantages(rewards, groups, mode=cfg.advantage)
+    if cfg.kl_mode == "reward":
+        # k1 penalty per token; its reward-to-go is added to the outcome advantage.
+        penalty = reward_to_go(-run.coef.kl_coef * log_ratio, mask)
+        batch.set("advantage", (advantage[:, None] + penalty) * mask)
+    else:
+        batch.set("advantage", advantage[:, None].expand_as(mask) * mask)
+    return log_ratio.sum(-1)
+
+
+def accumulate_gradients(run: Run, batch) -> dict[str, float]:
+    """Backward of the step's loss, micro-batch by micro-batch, with full-batch denominators."""
+    cfg = run.cfg
+    mask = batch["masks", "all_assistant_mask"]
+    denominator = aggregate_denominator(mask, cfg.aggregation)
+    run.optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    n = batch.shape[0]
+    total_tokens = mask.sum().clamp(min=1)
+    for begin in range(0, n, cfg.micro_batch_size):
+        part = batch[begin : begin + cfg.micro_batch_size]
+        out = run.loss(part, denominator=denominator)
+        total = out.total_loss()
+        total.backward()
+        # The loss's diagnostics are token means of the micro-batch: weight them by its tokens.
+        share = float(part["masks", "all_assistant_mask"].sum() / total_tokens)
+        for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref"):
+            value = getattr(out, name, None)
+            if value is not None:
+                sums[name] = sums.get(name, 0.0) + float(value) * share
+        sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
+    return sums
+
+
+def optimize(run: Run, batch) -> dict[str, float]:
+    """One optimizer step over the batch."""
+    cfg = run.cfg
+    sums = accumulate_gradients(run, batch)
+    params = [p for p in run.models.policy.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
+    run.optimizer.step()
+    sums["grad_norm"] = float(norm)
+    return sums
+
+
+def train_step(run: Run, step: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    batch, problems = rollout(run, step)
+    rewards, correct = score_rewards(run, batch, problems, step)
+    kl_seq = add_advantages(run, batch, rewards)
+    opt = optimize(run, batch)
+    if run.ref_updater is not None:
+        run.ref_updater.step(step + 1)
+    kl_coef_used = float(run.coef.kl_coef)
+    run.controller.update(kl_seq.detach().double().tolist())
+    mask = batch["masks", "all_assistant_mask"]
+    elapsed = time.perf_counter() - start
+    return {
+        "step": step + 1,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "accuracy": float(correct.mean()),
+        "kl_per_seq": float(kl_seq.mean()),
+        "kl_per_token": float(kl_seq.sum() / mask.sum().clamp(min=1)),
+        "kl_coef": kl_coef_used,
+        "clip_fraction": opt.get("clip_fraction", 0.0),
+        "ess": opt.get("ESS", float("nan")),
+        "entropy": opt.get("entropy", float("nan")),
+        "response_length": float(mask.sum(-1).float().mean()),
+        "grad_norm": opt["grad_norm"],
+        "loss": opt["loss"],
+        "step_time": elapsed,
+        "tokens_per_s": float(batch["masks", "all_attention_mask"].sum()) / elapsed,
+    }
+
+
+# ------------------------------------------------------------------------------ state
+def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "data_cursor": step * run.cfg.prompts_per_step,
+        "controller": run.controller.state_dict(),
+        "reference_updater": run.ref_updater.state_dict() if run.ref_updater else None,
+        **extra,
+    }
+
+
+def _save(run: Run, step: int, extra: dict[str, Any]) -> None:
+    rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}
+    save_checkpoint(run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
+                    state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference)
+
+
+def _restore(run: Run) -> tuple[int, dict[str, Any]]:
+    path = latest_checkpoint(run.dir)
+    if path is None:
+        raise FileNotFoundError(f"--resume {run.dir}: no checkpoint under {run.dir / 'checkpoints'}.")
+    ckpt, rng = load_checkpoint(path, policy=run.models.policy, optimizer=run.optimizer,
+                                reference=run.models.movable_reference)
+    torch.set_rng_state(rng["torch"])
+    run.generator.set_state(rng["sampling"])
+    run.controller.load_state_dict(ckpt.state["controller"])
+    if run.ref_updater is not None and ckpt.state.get("reference_updater"):
+        run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
+    run.metrics.truncate_after(ckpt.step)
+    return ckpt.step, ckpt.state
+
+
+# ------------------------------------------------------------------------------ main loop
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+    """Run (or resume) training; returns the summary also written to ``summary.json``.
+
+    ``stop_after`` ends the process-level loop after that many steps without the final
+    evaluation (used to simulate an interrupted run in tests).
+    """
+    run = build_run(cfg)
+    wall = time.perf_counter()
+    if resume:
+        start, state = _restore(run)
+        before = state["eval_before"]
+    else:
+        (run.dir / "config.yaml").write_text(cfg.to_yaml())
+        run.metrics.path.write_text("")
+        before = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
+                          max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
+                          with_kl=False).as_dict()
+        start = 0
+    extra = {"eval_before": before}
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
+               disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        record = train_step(run, step)
+        run.metrics.append(record)
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
+                        kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
+        done = step + 1
+        if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            _save(run, done, extra)
+        if stop_after is not None and done - start >= stop_after and done < cfg.steps:
+            return {"stopped_at": done}
+    after = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
+                     max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature).as_dict()
+    summary = _summary(run, before, after, time.perf_counter() - wall)
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_metrics(run.dir)
+    return summary
+
+
+def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:
+    records = run.metrics.read()
+    tail = records[-3:] if records else []
+    final_kl = sum(r["kl_per_seq"] for r in tail) / max(len(tail), 1)
+    return {
+        "model": run.cfg.model,
+        "task": run.task.name,
+        "steps": run.cfg.steps,
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "accuracy_gain_points": 100 * (after["accuracy"] - before["accuracy"]),
+        "eval_kl_per_token": after["kl_per_token"],
+        "eval_kl_per_seq": after["kl_per_seq"],
+        "final_train_kl_per_seq": final_kl,
+        "kl_bound": run.cfg.kl_bound,
+        "kl_within_bound": final_kl <= run.cfg.kl_bound,
+        "final_kl_coef": float(run.coef.kl_coef),
+        "seconds_this_process": seconds,
+        "eval_size": len(run.held_out),
+    }

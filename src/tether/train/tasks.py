@@ -1,0 +1,143 @@
+"""Tasks for ``tether train``: seeded problem streams with verifiable rewards.
+
+A ``Task`` is a record of plain callables, so a user task is a Python file that defines
+``TASK = Task(...)`` (or ``make_task()``) and is passed as ``--task path/to/file.py``.
+
+Problem ``i`` of the training stream is a pure function of ``(seed, i)``, which makes the
+data cursor a single integer and resume exact. The held-out evaluation set is drawn from
+its own seed and removed from the training stream, so evaluation is never trained on.
+
+The default task, ``arithmetic``, asks sums and differences of integers from 1 to 20 in a
+single user turn. Reward: 1.0 when the last integer in the response equals the answer,
+plus a format term of 0.1 when the response ends within 40 characters of that last integer
+(it answers rather than rambling on). The held-out score is accuracy only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Chat = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with what is needed to score answers to it."""
+
+    chat: Chat
+    answer: str
+    key: str  # identity used to keep evaluation problems out of the training stream
+
+
+@dataclass(frozen=True)
+class Task:
+    """A problem generator, a reward and a correctness check, as plain callables."""
+
+    name: str
+    make_problem: Callable[[random.Random], Problem]
+    reward: Callable[[str, Problem], float]
+    is_correct: Callable[[str, Problem], bool]
+    eval_seed: int = 10_007
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def eval_set(self, n: int) -> list[Problem]:
+        """``n`` distinct held-out problems (as many as exist if fewer)."""
+        rng = random.Random(f"eval-{self.eval_seed}")
+        seen: dict[str, Problem] = {}
+        for _ in range(50 * max(n, 1)):
+            if len(seen) == n:
+                break
+            p = self.make_problem(rng)
+            seen.setdefault(p.key, p)
+        return list(seen.values())
+
+    def train_problem(self, seed: int, index: int, exclude: set[str]) -> Problem:
+        """Problem ``index`` of the training stream, never one whose key is in ``exclude``."""
+        rng = random.Random(f"train-{seed}-{index}")
+        for _ in range(1000):
+            p = self.make_problem(rng)
+            if p.key not in exclude:
+                return p
+        raise ValueError(
+            f"task {self.name!r}: could not draw a training problem outside the held-out set "
+            "after 1000 tries; lower --eval-size or widen the task."
+        )
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> tuple[int, int] | None:
+    """The last integer in ``text`` and the index just after it, or None."""
+    matches = list(_INT.finditer(text.replace(",", "")))
+    if not matches:
+        return None
+    m = matches[-1]
+    return int(m.group()), m.end()
+
+
+def _arithmetic_problem(rng: random.Random) -> Problem:
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    if rng.random() < 0.5:
+        op, value = "+", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        op, value = "-", a - b
+    question = f"What is {a} {op} {b}?"
+    return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}")
+
+
+def _arithmetic_correct(response: str, problem: Problem) -> bool:
+    found = last_integer(response)
+    return found is not None and str(found[0]) == problem.answer
+
+
+def _arithmetic_reward(response: str, problem: Problem) -> float:
+    found = last_integer(response)
+    if found is None:
+        return 0.0
+    correct = 1.0 if str(found[0]) == problem.answer else 0.0
+    concise = 0.1 if len(response.rstrip()) - found[1] <= 40 else 0.0
+    return correct + concise
+
+
+def arithmetic() -> Task:
+    return Task(
+        name="arithmetic",
+        make_problem=_arithmetic_problem,
+        reward=_arithmetic_reward,
+        is_correct=_arithmetic_correct,
+        info={"reward": "1 if the last integer is the answer, +0.1 if the reply ends within 40 chars of it"},
+    )
+
+
+TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic}
+
+
+def load_task(name_or_path: str) -> Task:
+    """A registered task by name, or the ``TASK`` / ``make_task()`` of a Python file."""
+    if name_or_path in TASKS:
+        return TASKS[name_or_path]()
+    path = Path(name_or_path)
+    if path.suffix != ".py" or not path.is_file():
+        raise ValueError(
+            f"task: expected one of {sorted(TASKS)} or a path to a .py file, got {name_or_path!r}."
+        )
+    spec = importlib.util.spec_from_file_location(f"tether_user_task_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    task = getattr(module, "TASK", None)
+    if task is None and callable(getattr(module, "make_task", None)):
+        task = module.make_task()
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"task file {path}: expected a module-level TASK = tether.train.tasks.Task(...) or a "
+            f"make_task() returning one, got {type(task).__name__}."
+        )
+    return task

@@ -1,0 +1,141 @@
+"""``tether train`` on the tiny model: files, exact resume after SIGKILL, accumulation, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tether.train.config import TrainConfig
+from tether.train.metrics import PLOTTED, curve_data
+from tether.train.recipe import RewardError, accumulate_gradients, build_run, rollout, score_rewards, add_advantages, train
+
+HERE = Path(__file__).parent
+COUNT_TASK = str(HERE / "count_task.py")
+TIMING_KEYS = {"step_time", "tokens_per_s"}
+
+
+def tiny_cfg(out: Path, **kw) -> TrainConfig:
+    base = dict(model="tiny", task=COUNT_TASK, steps=3, out=str(out), prompts_per_step=2, group_size=3,
+                max_new_tokens=6, micro_batch_size=4, eval_size=4, eval_max_new_tokens=6, lora_rank=0,
+                learning_rate=1e-3, checkpoint_every=1, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_end_to_end_writes_every_file(tmp_path):
+    summary = train(tiny_cfg(tmp_path / "run"), progress=False)
+    run = tmp_path / "run"
+    assert TrainConfig.from_yaml(run / "config.yaml") == tiny_cfg(run)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("reward_mean", "reward_std", "accuracy", "kl_per_seq", "kl_per_token", "kl_coef", "clip_fraction",
+                "ess", "entropy", "response_length", "grad_norm", "step_time", "tokens_per_s"):
+        assert all(isinstance(r[key], float) and r[key] == r[key] for r in records), key
+    assert records[0]["kl_per_seq"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at step 1
+    assert any(r["kl_per_seq"] != 0 for r in records[1:])  # and it moved afterwards
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved == summary and summary["steps"] == 3
+    for key, _, _ in PLOTTED:
+        assert (run / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    assert {p.name for p in latest.iterdir()} >= {"policy.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"}
+
+
+def test_plot_curves_are_the_metrics(tmp_path):
+    records = [{"step": s, **{k: float(s * i) for i, (k, _, _) in enumerate(PLOTTED)}} for s in (1, 2, 3)]
+    data = curve_data(records)
+    for i, (key, _, _) in enumerate(PLOTTED):
+        assert data[key] == ([1, 2, 3], [1.0 * i, 2.0 * i, 3.0 * i])
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    return load_file(str(latest / "policy.safetensors"))
+
+
+def _metrics(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+    """Kill a 4-step run with SIGKILL once step 2 is logged, resume, compare to a clean run."""
+    clean = tmp_path / "clean"
+    train(tiny_cfg(clean, steps=4), progress=False)
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "tether.train.cli", "train", "--quiet", *[
+        f"{k}={v}" for k, v in tiny_cfg(killed, steps=4).__dict__.items()]]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(metrics.read_text().splitlines()) < 4
+    train(TrainConfig.from_yaml(killed / "config.yaml"), resume=True, progress=False)
+    assert _metrics(killed) == _metrics(clean)
+    a, b = _weights(clean), _weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_gradient_accumulation_invariance(tmp_path, aggregation):
+    """The step's gradient does not depend on the micro-batch size (6 rows: 6x1 vs 1x6 vs 2x3)."""
+    grads = []
+    for micro in (6, 1, 3):
+        run = build_run(tiny_cfg(tmp_path / f"m{micro}", micro_batch_size=micro, aggregation=aggregation))
+        batch, problems = rollout(run, 0)
+        rewards, _ = score_rewards(run, batch, problems, 0)
+        add_advantages(run, batch, rewards)
+        accumulate_gradients(run, batch)
+        grads.append({n: p.grad.clone() for n, p in run.models.policy.named_parameters() if p.grad is not None})
+    assert grads[0] and any(g.abs().sum() > 0 for g in grads[0].values())
+    for other in grads[1:]:
+        for name, g in grads[0].items():
+            torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_config_errors_are_reported_together():
+    cfg = TrainConfig(steps=0, group_size=1, temperature=-1.0, aggregation="mean", task="no-such-task")
+    with pytest.raises(ValueError) as err:
+        cfg.validate()
+    text = str(err.value)
+    for fragment in ("steps", "group_size", "temperature", "aggregation", "task"):
+        assert fragment in text
+    with pytest.raises(ValueError, match="unknown keys.*stepz"):
+        TrainConfig.from_dict({"stepz": 3})
+    with pytest.raises(ValueError, match="steps: expected int"):
+        TrainConfig().override({"steps": "three"})
+
+
+@pytest.mark.parametrize("task_file,match", [("bad_task.py", "raised ZeroDivisionError.*sample 0"),
+                                             ("nan_task.py", "returned nan.*sample 0")])
+def test_reward_failures_name_the_sample(tmp_path, task_file, match):
+    out = tmp_path / "run"
+    with pytest.raises(RewardError, match=match):
+        train(tiny_cfg(out, task=str(HERE / task_file)), progress=False)
+    assert TrainConfig.from_yaml(out / "config.yaml").task.endswith(task_file)
+    assert (out / "metrics.jsonl").read_text() == ""
+
+
+def test_cli_help_lists_field_docs(capsys):
+    from tether.train.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "--prompts-per-step" in text and "Distinct prompts per step." in text
