@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
@@ -210,6 +210,8 @@ class MCAdvantage(nn.Module):
     # ------------------------------------------------------------------ grouping
     def _enqueue(self, traj: TensorDictBase) -> TensorDictBase | None:
         prompt = _require(traj[0], self.prompt_key, "the prompt")
+        if isinstance(prompt, (NonTensorData, NonTensorStack)):
+            prompt = prompt.tolist()
         if isinstance(prompt, TensorDictBase):
             raise TypeError(
                 f"prompt_key={self.prompt_key!r} points at a sub-TensorDict with keys "

@@ -107,17 +107,37 @@ def head_logits(
     The projection runs in the model dtype, as the model's own ``lm_head`` would, and the
     result is then upcast: a bf16 model therefore gives the same logits here as a naive
     ``lm_head(hidden).float()``. Reusing one ``out`` buffer avoids a fresh large allocation
-    (and its page faults on CPU) for every chunk.
+    (and its page faults on CPU) for every chunk. When no upcast is needed the temperature
+    rides on the GEMM's ``alpha`` / ``beta`` instead of costing another pass over ``out``.
     """
+    scale = 1.0 / temperature
     if hidden.dtype == out.dtype and bias is None:
-        torch.mm(hidden, weight.t(), out=out)
-    elif hidden.dtype == out.dtype:
-        torch.addmm(bias, hidden, weight.t(), out=out)
-    else:
-        out.copy_(F.linear(hidden, weight, bias))
+        # beta=0 makes the GEMM ignore the (uninitialised) contents of ``out``.
+        return torch.addmm(out, hidden, weight.t(), beta=0.0, alpha=scale, out=out)
+    if hidden.dtype == out.dtype:
+        return torch.addmm(bias, hidden, weight.t(), beta=scale, alpha=scale, out=out)
+    out.copy_(F.linear(hidden, weight, bias))
     if temperature != 1.0:
         out.div_(temperature)
     return out
+
+
+def head_log_softmax(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    lse: Tensor,
+    out: Tensor,
+) -> Tensor:
+    """``head_logits(...) - lse[:, None]`` in ``out``, i.e. the log-softmax of the chunk.
+
+    Without bias or upcast, the subtraction is the GEMM's broadcast ``input`` term, which
+    saves a pass over the ``[C, V]`` buffer in the backward's hot loop.
+    """
+    if hidden.dtype == out.dtype and bias is None:
+        return torch.addmm(-lse[:, None], hidden, weight.t(), alpha=1.0 / temperature, out=out)
+    return head_logits(hidden, weight, bias, temperature, out).sub_(lse[:, None])
 
 
 def grad_scale(g: Tensor | None, temperature: float, dtype: torch.dtype) -> Tensor | None:
@@ -210,6 +230,32 @@ def stats_backward(
         consume(rows, grad_z)
 
 
+def label_grad_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    lse: Tensor,
+    g_lp: Tensor,
+    temperature: float,
+    chunk_size: int,
+    grads: HeadGrads,
+) -> None:
+    """Backward of label log-probs alone (no entropy), through the ``lm_head``.
+
+    The RL hot path: per chunk one GEMM recomputes ``log p``, one in-place ``exp`` turns it
+    into ``p``, and :meth:`HeadGrads.accumulate_label_grad` consumes ``p`` directly.
+    """
+    n = hidden.shape[0]
+    g = grad_scale(g_lp, temperature, lse.dtype)
+    scratch = Scratch(min(chunk_size, n), weight.shape[0], hidden, lse.dtype, spare=False)
+    for start, stop in chunk_bounds(n, chunk_size):
+        rows = slice(start, stop)
+        out, _ = scratch.take(stop - start)
+        p = head_log_softmax(hidden[rows], weight, bias, temperature, lse[rows], out).exp_()
+        grads.accumulate_label_grad(rows, p, labels[rows], g[rows])
+
+
 def first_order_only(backward):
     """Refuse ``create_graph=True`` loudly instead of returning a silently wrong graph.
 
@@ -257,6 +303,27 @@ class HeadGrads:
             self.grad_w.addmm_(grad_z.t(), self.hidden[rows].to(grad_z.dtype))
         if self.grad_b is not None:
             self.grad_b += grad_z.sum(0)
+
+    def accumulate_label_grad(self, rows: slice, p: Tensor, labels: Tensor, g: Tensor) -> None:
+        """Same as ``accumulate(rows, g[:, None] * (onehot(labels) - p))`` without forming it.
+
+        The upstream factor ``g`` is per row, so it can be applied on the ``[C, H]`` side:
+        ``grad_h = g * (W[labels] - p @ W)`` and
+        ``grad_W = index_add(labels, g * h) - p.T @ (g * h)``. The only pass over the
+        ``[C, V]`` probabilities is then the GEMM that reads them.
+        """
+        weight = self.weight
+        if self.grad_h is not None:
+            p_w = torch.mm(p if p.dtype == weight.dtype else p.to(weight.dtype), weight)
+            picked = weight.index_select(0, labels)
+            self.grad_h[rows] = (picked - p_w).mul_(g[:, None].to(p_w.dtype))
+        if self.grad_w is not None:
+            scaled = self.hidden[rows].to(p.dtype) * g[:, None]
+            self.grad_w.addmm_(p.t(), scaled, alpha=-1.0)
+            self.grad_w.index_add_(0, labels, scaled)
+        if self.grad_b is not None:
+            self.grad_b.addmv_(p.t(), g, alpha=-1.0)
+            self.grad_b.index_add_(0, labels, g)
 
     def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         grad_w = None if self.grad_w is None else self.grad_w.to(self.weight.dtype)

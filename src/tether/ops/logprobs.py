@@ -30,6 +30,7 @@ from tether.ops._vocab_chunks import (
     HeadGrads,
     first_order_only,
     head_logits,
+    label_grad_backward,
     load_logits,
     stats_backward,
     stats_forward,
@@ -143,6 +144,11 @@ class _HiddenStats(torch.autograd.Function):
             return head_logits(hidden[start:stop], weight, bias, temperature, out)
 
         grads = HeadGrads(hidden, weight, bias, need_h, need_w, need_b, lse.dtype)
+        if g_ent is None:
+            label_grad_backward(
+                hidden, weight, bias, labels, lse, g_lp, temperature, ctx.chunk_size, grads
+            )
+            return (*grads.result(), None, None, None, None)
         stats_backward(
             load,
             grads.accumulate,

@@ -13,12 +13,14 @@ __all__ = ["check_generated", "per_step", "positive_int", "real"]
 
 
 def positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1, or a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}.")
     return int(value)
 
 
 def real(name: str, value: Any, *, strict: bool, allow_inf: bool = False) -> float:
+    """``value`` as a float >= 0 (> 0 if ``strict``; finite unless ``allow_inf``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {value!r} of type {type(value).__name__}.")
     value = float(value)
@@ -30,6 +32,7 @@ def real(name: str, value: Any, *, strict: bool, allow_inf: bool = False) -> flo
 
 
 def check_generated(generated: Any, size: int, width: int) -> None:
+    """``generated`` must be an integer ``[size, width]`` tensor."""
     if not isinstance(generated, Tensor) or generated.is_floating_point() or generated.dtype == torch.bool:
         got = generated.dtype if isinstance(generated, Tensor) else type(generated).__name__
         raise TypeError(f"generated: expected an integer tensor [B, L + N], got {got}. Pass generate(batch).generated.")
@@ -41,6 +44,7 @@ def check_generated(generated: Any, size: int, width: int) -> None:
 
 
 def per_step(name: str, values: Any, size: int, steps: int) -> Tensor:
+    """``values`` as a float ``[size, steps]`` tensor (a trailing singleton dim is dropped)."""
     if not isinstance(values, Tensor) or not values.is_floating_point():
         got = values.dtype if isinstance(values, Tensor) else type(values).__name__
         raise TypeError(f"{name}: expected a float tensor [B, N], got {got}.")

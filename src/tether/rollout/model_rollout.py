@@ -60,11 +60,12 @@ class Generation:
             response at ``[prompt_rindex, prompt_rindex + N)``, pad after the response end.
         log_probs: ``float32 [B, N]``, log-prob of each sampled token under
             ``softmax(logits / temperature)`` as recorded while sampling; 0 after the end.
-        log_ratio: ``float32 [B, N]``, ``log pi - log pi_ref`` of each generated token, both
-            recomputed on the full sequence at the sampling temperature; 0 after the end.
+        log_ratio: ``float [B, N]`` (float32, or float64 for float64 models),
+            ``log pi - log pi_ref`` of each generated token, both recomputed on the full
+            sequence at the sampling temperature; 0 after the end.
         response_mask: ``bool [B, N]``, True on the generated tokens (eos included).
-        policy_log_probs: ``float32 [B, N]``, the policy term of ``log_ratio``.
-        ref_log_probs: ``float32 [B, N]``, the reference term of ``log_ratio``.
+        policy_log_probs: ``float [B, N]``, the policy term of ``log_ratio``.
+        ref_log_probs: ``float [B, N]``, the reference term of ``log_ratio``.
     """
 
     generated: Tensor
@@ -247,14 +248,9 @@ class RolloutFromModel:
         positions = torch.arange(generated.shape[-1], device=generated.device)
         sequence_mask = positions < (rindex + ends.num_tokens)[:, None]
         sequence = generated.masked_fill(~sequence_mask, self.pad_token_id)
-        reference = batch.reference_view()
-        score = self._end_scores(sequence, sequence_mask) - self._end_scores(
-            reference.input_ids, reference.attention_mask
-        )
-        clipped = score.clamp(-self.score_clip, self.score_clip)
         done, terminated, truncated = ends.done_flags()
         kl = log_ratio.float().masked_fill(~ends.step_mask, 0.0)
-        reward_raw = torch.where(done, clipped[:, None, None], 0.0)
+        reward_raw = torch.where(done, self._clipped_score(batch, sequence, sequence_mask)[:, None, None], 0.0)
         reward_kl = -self.kl_coef * kl[..., None]
         visible = torch.minimum(steps, ends.num_tokens[:, None])
         visible_next = torch.minimum(steps + 1, ends.num_tokens[:, None])
@@ -338,6 +334,13 @@ class RolloutFromModel:
     def _response_log_probs(self, model: nn.Module, generated: Tensor, mask: Tensor, index: Tensor) -> Tensor:
         stats = score_tokens(model, generated, mask, temperature=self.temperature)
         return stats.log_probs.to(generated.device).gather(1, index)
+
+    def _clipped_score(self, batch: PromptBatch, sequence: Tensor, sequence_mask: Tensor) -> Tensor:
+        """``[B]``: score of the finished sequence minus the reference's, clipped."""
+        reference = batch.reference_view()
+        score = self._end_scores(sequence, sequence_mask)
+        baseline = self._end_scores(reference.input_ids, reference.attention_mask)
+        return (score - baseline).clamp(-self.score_clip, self.score_clip)
 
     def _end_scores(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         out = self.reward_model(input_ids=input_ids, attention_mask=attention_mask)

@@ -1,0 +1,115 @@
+"""Argument checks shared by the ``tether.llm`` components: coefficients, scorers, pairs."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from tether.models import TransformersWrapper
+from tether.ops import KL_ESTIMATORS
+
+PADDING_SIDES = ("left", "right")
+
+
+def check_coef(name: str, value: Any) -> float:
+    """A finite, non-negative KL coefficient as a Python float."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = float(value.detach())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} ({value!r}).")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{name}: expected a finite coefficient >= 0, got {value}. A negative coefficient "
+            "would reward drifting away from the reference."
+        )
+    return value
+
+
+def check_padding_side(value: Any) -> str:
+    if value not in PADDING_SIDES:
+        raise ValueError(f"padding_side: expected one of {PADDING_SIDES}, got {value!r}.")
+    return value
+
+
+def check_estimator(value: Any) -> str:
+    if value not in KL_ESTIMATORS:
+        raise ValueError(
+            f"estimator: expected one of {sorted(KL_ESTIMATORS)}, got {value!r}."
+        )
+    return value
+
+
+def check_scorer(model: Any, name: str = "model") -> TransformersWrapper:
+    """``model`` must be a ``TransformersWrapper`` set up to score, returning log-probs."""
+    if not isinstance(model, TransformersWrapper):
+        raise TypeError(
+            f"{name}: expected a tether.models.TransformersWrapper, got {type(model).__name__}. "
+            f"Wrap the HF model: TransformersWrapper(model, tokenizer, generate=False)."
+        )
+    if model.generate:
+        raise ValueError(
+            f"{name}: a model configured to generate (generate=True) was passed as a scorer. "
+            f"Build a scoring wrapper over the same weights: TransformersWrapper(model, tokenizer, "
+            f"generate=False, temperature=<sampling temperature>); to reuse the log-probs "
+            f"recorded while sampling, pass gen_model=None to RetrieveKL instead."
+        )
+    if not model.return_log_probs:
+        raise ValueError(
+            f"{name}: expected return_log_probs=True, got False. Build the wrapper with "
+            "return_log_probs=True."
+        )
+    return model
+
+
+def vocab_size(wrapper: TransformersWrapper) -> int | None:
+    """Rows of the wrapped model's output head (its vocabulary), if it has one."""
+    model = wrapper.model
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return None if weight is None else int(weight.shape[0])
+
+
+def check_tokenizers(first: Any, second: Any, names: tuple[str, str]) -> None:
+    """Two tokenizers must map the same strings to the same ids (None skips the check)."""
+    if first is None or second is None or first is second:
+        return
+    if len(first) != len(second) or first.get_vocab() != second.get_vocab():
+        raise ValueError(
+            f"{names[0]} and {names[1]} have different vocabularies ({len(first)} and "
+            f"{len(second)} entries): the same token ids would mean different tokens. Use one "
+            "tokenizer for the policy and the reference."
+        )
+
+
+def check_pair(gen: TransformersWrapper, ref: TransformersWrapper) -> None:
+    """Policy and reference scorers must agree on layout, vocabulary and temperature."""
+    if gen.log_probs_key == ref.log_probs_key:
+        raise ValueError(
+            f"gen_model.log_probs_key and ref_model.log_probs_key are both "
+            f"{gen.log_probs_key!r}; expected different keys so the two log-probs never share "
+            "an entry. Build the reference with log_probs_key='ref_log_probs'."
+        )
+    if gen.pad_output != ref.pad_output:
+        raise ValueError(
+            f"pad_output mismatch: gen_model.pad_output={gen.pad_output}, ref_model.pad_output="
+            f"{ref.pad_output}. Build both wrappers with the same pad_output."
+        )
+    gen_vocab, ref_vocab = vocab_size(gen), vocab_size(ref)
+    if gen_vocab is not None and ref_vocab is not None and gen_vocab != ref_vocab:
+        raise ValueError(
+            f"vocabulary size mismatch: the policy (gen_model) has {gen_vocab} output rows, the "
+            f"reference (ref_model) {ref_vocab}. A KL needs one vocabulary; build the reference "
+            "from the policy's base checkpoint (e.g. tether.models.frozen_copy)."
+        )
+    check_tokenizers(gen.tokenizer, ref.tokenizer, ("gen_model.tokenizer", "ref_model.tokenizer"))
+    if gen.temperature != ref.temperature:
+        raise ValueError(
+            f"temperature mismatch: gen_model.temperature={gen.temperature}, "
+            f"ref_model.temperature={ref.temperature}. Both log-probs must come from "
+            "logits / (sampling temperature); build both wrappers with the same temperature."
+        )

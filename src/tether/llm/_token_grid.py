@@ -1,0 +1,150 @@
+"""Finding per-token entries of an LLM TensorDict and reading them as ``[B, T]`` grids.
+
+The components of ``tether.llm`` read from two places: the root of the TensorDict (where a
+policy writes its tokens, masks and sampling log-probs) and, when present, its ``"next"``
+entry (where an environment step writes rewards). Outputs go to ``"next"`` when it exists,
+else to the root; inputs are looked up there first, then at the root.
+
+A per-token entry is either padded (``[B, T]``, laid out like ``("masks",
+"all_attention_mask")`` of the TensorDict holding it) or a jagged nested tensor
+(``[B, j]``). ``TokenGrid`` holds either as a padded grid plus its valid mask, and knows how
+to put a grid of new values back in the same layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey, unravel_key
+from torch import Tensor
+
+from tether.ops import nested_to_padded, padded_to_nested
+
+NEXT = "next"
+TOKENS_KEY = ("tokens", "full")
+ATTENTION_KEY = ("masks", "all_attention_mask")
+ASSISTANT_KEY = ("masks", "all_assistant_mask")
+
+
+def as_key(name: str, key: NestedKey) -> NestedKey:
+    """``key`` in canonical form; a ``TypeError`` naming ``name`` if it is not a nested key."""
+    try:
+        return unravel_key(key)
+    except Exception as err:  # unravel_key raises several types for malformed keys
+        raise TypeError(
+            f"{name}: expected a string or a tuple of strings (a TensorDict key), got {key!r}."
+        ) from err
+
+
+def has(td: TensorDictBase, key: NestedKey) -> bool:
+    return key in td.keys(include_nested=True, leaves_only=False)
+
+
+def target_of(td: TensorDictBase) -> TensorDictBase:
+    """Where outputs go: ``td["next"]`` when the TensorDict has one, else ``td`` itself."""
+    if NEXT in td.keys():
+        nxt = td.get(NEXT)
+        if isinstance(nxt, TensorDictBase):
+            return nxt
+    return td
+
+
+def scopes_of(td: TensorDictBase) -> tuple[TensorDictBase, ...]:
+    """Where inputs are looked up, in order: ``"next"`` (if any), then the root."""
+    target = target_of(td)
+    return (target,) if target is td else (target, td)
+
+
+def present_keys(scopes: tuple[TensorDictBase, ...]) -> str:
+    """The leaf keys of the scopes as one readable list (keys under "next" prefixed)."""
+    keys: set[tuple[str, ...]] = set()
+    for i, scope in enumerate(scopes):
+        prefix = (NEXT,) if i == 0 and len(scopes) == 2 else ()
+        for key in scope.keys(include_nested=True, leaves_only=True):
+            key = (key,) if isinstance(key, str) else tuple(key)
+            if prefix or len(scopes) == 1 or key[0] != NEXT:
+                keys.add(prefix + key)
+    shown = [repr(k[0]) if len(k) == 1 else repr(k) for k in sorted(keys)]
+    return "[" + ", ".join(shown) + "]"
+
+
+def find(scopes: tuple[TensorDictBase, ...], key: NestedKey) -> TensorDictBase | None:
+    """The first scope holding ``key``, or None."""
+    return next((scope for scope in scopes if has(scope, key)), None)
+
+
+def missing_key(scopes: tuple[TensorDictBase, ...], keys: list[NestedKey], fix: str) -> KeyError:
+    where = "the TensorDict's 'next' entry or its root" if len(scopes) == 2 else "the TensorDict"
+    return KeyError(
+        f"{keys!r}: expected in {where}, but missing. Present keys: {present_keys(scopes)}. {fix}"
+    )
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """Values ``[B, T, ...]`` with their valid mask ``bool [B, T]`` and original layout.
+
+    ``nested`` grids were jagged rows, right-padded here; padded grids keep the layout they
+    were stored in (any padding side).
+    """
+
+    values: Tensor
+    valid: Tensor
+    nested: bool
+
+    def restore(self, grid: Tensor) -> Tensor:
+        """Put ``grid [B, T, ...]`` (aligned with this grid) back in the original layout."""
+        if self.nested:
+            return padded_to_nested(grid, self.valid)
+        return grid
+
+
+def read_grid(scope: TensorDictBase, key: NestedKey, mask: Tensor | None = None) -> TokenGrid:
+    """Read ``key`` of ``scope`` as a grid; ``mask`` is the valid mask of a padded entry."""
+    value = scope.get(key)
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{key!r}: expected a per-token tensor, got {type(value).__name__}.")
+    if value.is_nested:
+        padded = nested_to_padded(value, padding_side="right")
+        return TokenGrid(values=padded.values, valid=padded.mask, nested=True)
+    if value.dim() < 2:
+        raise ValueError(
+            f"{key!r}: expected a per-token tensor of shape [B, T] (or jagged [B, j]), got shape "
+            f"{tuple(value.shape)}."
+        )
+    if mask is None:
+        mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
+    return TokenGrid(values=value, valid=mask.to(value.device), nested=False)
+
+
+def read_mask(scopes: tuple[TensorDictBase, ...], key: NestedKey, like: TokenGrid) -> Tensor | None:
+    """The boolean mask under ``key`` aligned with ``like``, or None when absent.
+
+    A mask in a different layout from ``like`` (padded vs nested, other shape or row
+    lengths) raises a ``ValueError``: combining them would misalign tokens.
+    """
+    scope = find(scopes, key)
+    if scope is None:
+        return None
+    value = scope.get(key)
+    if value.is_nested != like.nested:
+        raise ValueError(
+            f"{key!r}: stored {'nested' if value.is_nested else 'padded'} but the log-probs are "
+            f"{'nested' if like.nested else 'padded'}. Write masks and log-probs with the same "
+            "pad_output setting."
+        )
+    grid = read_grid(scope, key).values.bool() if value.is_nested else value.bool()
+    if grid.shape != like.valid.shape:
+        raise ValueError(
+            f"{key!r}: expected a mask of shape {tuple(like.valid.shape)} aligned with the "
+            f"log-probs, got {tuple(grid.shape)}. Produce masks and log-probs from the same tokens."
+        )
+    if like.nested and not torch.equal(read_grid(scope, key).valid, like.valid):
+        raise ValueError(f"{key!r}: the nested mask's row lengths differ from the log-probs'.")
+    return grid.to(like.valid.device)
+
+
+def place(values: Tensor, device: torch.device | None) -> Tensor:
+    return values if device is None else values.to(device)
