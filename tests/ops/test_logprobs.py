@@ -188,6 +188,13 @@ def test_low_precision_model_reduces_in_float32(low):
     for a, b in zip(ours, ref, strict=True):
         assert a.dtype == low
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    lp_only = token_logprobs_from_hidden(hidden, weight, labels, chunk_size=5, temperature=0.9)
+    ours = grads_of((lp_only * g_lp).sum(), [hidden, weight])
+    fresh_lp = naive_logprobs(F.linear(hidden, weight).float(), labels, 0.9)
+    ref = grads_of((fresh_lp * g_lp).sum(), [hidden, weight])
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == low
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     lp_logits = token_logprobs(logits.to(low), labels, chunk_size=4)
     assert lp_logits.dtype == torch.float32
     torch.testing.assert_close(
@@ -271,6 +278,12 @@ def test_gradcheck_float64():
         return s.log_probs, s.entropy
 
     assert torch.autograd.gradcheck(stats, (hidden, weight, b))
+    assert torch.autograd.gradcheck(
+        lambda h, w, bb: token_logprobs_from_hidden(
+            h, w, labels, temperature=1.6, chunk_size=5, lm_head_bias=bb
+        ),
+        (hidden, weight, b),
+    )
 
 
 def test_frozen_head_skips_weight_matmuls_and_keeps_hidden_gradient():

@@ -307,23 +307,21 @@ class HeadGrads:
     def accumulate_label_grad(self, rows: slice, p: Tensor, labels: Tensor, g: Tensor) -> None:
         """Same as ``accumulate(rows, g[:, None] * (onehot(labels) - p))`` without forming it.
 
-        The upstream factor ``g`` is per row, so it can be applied on the ``[C, H]`` side:
-        ``grad_h = g * (W[labels] - p @ W)`` and
-        ``grad_W = index_add(labels, g * h) - p.T @ (g * h)``. The only pass over the
-        ``[C, V]`` probabilities is then the GEMM that reads them.
+        ``p`` becomes ``p - onehot(labels)`` in place (``C`` writes), and because ``g`` is
+        per row it is applied on the small ``[C, H]`` side of each GEMM:
+        ``grad_h = -g * ((p - onehot) @ W)``, ``grad_W -= (p - onehot).T @ (g * h)``.
+        The only passes over the ``[C, V]`` buffer are then the GEMMs that read it.
         """
         weight = self.weight
+        p.scatter_add_(1, labels[:, None], p.new_full((p.shape[0], 1), -1.0))
         if self.grad_h is not None:
             p_w = torch.mm(p if p.dtype == weight.dtype else p.to(weight.dtype), weight)
-            picked = weight.index_select(0, labels)
-            self.grad_h[rows] = (picked - p_w).mul_(g[:, None].to(p_w.dtype))
+            self.grad_h[rows] = p_w.mul_(-g[:, None].to(p_w.dtype))
         if self.grad_w is not None:
             scaled = self.hidden[rows].to(p.dtype) * g[:, None]
             self.grad_w.addmm_(p.t(), scaled, alpha=-1.0)
-            self.grad_w.index_add_(0, labels, scaled)
         if self.grad_b is not None:
             self.grad_b.addmv_(p.t(), g, alpha=-1.0)
-            self.grad_b.index_add_(0, labels, g)
 
     def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         grad_w = None if self.grad_w is None else self.grad_w.to(self.weight.dtype)

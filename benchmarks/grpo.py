@@ -1,0 +1,233 @@
+"""GRPOLoss forward+backward on the embedded SmolLM2-135M-Instruct: tether against TorchRL.
+
+The batch: 16 chats, 4 arithmetic prompts x 4 answers of seeded random lengths (each chat
+carries an explicit system message, so TorchRL's ChatML template and the model's own one
+render the same tokens), advantages per prompt group (``MCAdvantage.compute``), sampling
+log-probs slightly off the current policy and reference log-probs about 0.05 nats away on
+the response tokens. Every variant runs in a fresh interpreter (``_common``), times a full
+``forward + backward`` (gradients to all weights, then dropped) and reports the growth of
+the peak resident set over the state after setup (model loaded, batch built).
+
+Variants:
+
+- ``tether``: ``tether.objectives.GRPOLoss`` (one scoring pass, padding-free, no
+  ``[B, T, V]`` logits), KL to the reference and entropy bonus on;
+- ``tether x4``: the same loss over 4 micro-batches of 4 rows with the full batch's
+  denominator (``forward(td, denominator=...)``): the same gradient, a quarter of the
+  activations alive at a time;
+- ``torchrl``: ``torchrl.objectives.llm.GRPOLoss`` with ``kl_to_ref_coeff`` set and its
+  entropy bonus on (only when torchrl imports; run with ``.venv-bench/bin/python``).
+
+Targets for tether: at most 0.5x TorchRL's time and 0.35x its peak memory.
+
+    .venv-bench/bin/python benchmarks/grpo.py            # full table (several minutes)
+    .venv-bench/bin/python benchmarks/grpo.py --quick    # short answers, one timed run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
+
+SYSTEM = "You are a helpful assistant. Show your reasoning, then give the number."
+WORDS = (
+    "first we add the tens then the units and carry one so the sum is clear because each "
+    "digit counts and we check the result twice before we write the final answer here"
+).split()
+FULL = {"min_words": 40, "max_words": 190}
+QUICK = {"min_words": 4, "max_words": 16}
+TIME_TARGET, MEMORY_TARGET = 0.5, 0.35
+KL_COEFF, ENTROPY_COEFF = 0.1, 0.01
+
+
+def make_chats(min_words: int, max_words: int, seed: int = 0):
+    """16 chats (4 prompts x 4 answers), their rewards and prompt group ids."""
+    rng = random.Random(seed)
+    chats, rewards, groups = [], [], []
+    for prompt in range(4):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        for _ in range(4):
+            answer = a + b + rng.choice([0, 0, 1, -10])
+            reasoning = " ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
+            chats.append([
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"What is {a}+{b}?"},
+                {"role": "assistant", "content": f"{reasoning}. {a} + {b} = {answer}."},
+            ])
+            rewards.append(float(answer == a + b))
+            groups.append(prompt)
+    return chats, torch.tensor(rewards), torch.tensor(groups)
+
+
+def _perturbed(log_probs, tokens, attention, mask):
+    """(sampling, reference) log-probs: deterministic functions of token id and position in
+    the row, so both libraries get the same values whatever their padding side."""
+    position = (attention.long().cumsum(-1) - 1).to(log_probs.dtype)
+    ids = tokens.to(log_probs.dtype)
+    sampled = log_probs + 0.02 * torch.sin(ids + 7 * position)
+    ref = log_probs - 0.05 - 0.03 * torch.cos(ids + 3 * position)
+    zero = torch.zeros_like(log_probs)
+    return torch.where(mask, sampled, zero), torch.where(mask, ref, zero)
+
+
+def _tether_batch(model, tokenizer, size):
+    from tensordict import TensorDict
+
+    from tether.models import TransformersWrapper
+    from tether.models.batch_io import write_objects
+    from tether.objectives import MCAdvantage
+
+    chats, rewards, groups = make_chats(**size)
+    actor = TransformersWrapper(model, tokenizer, input_mode="history", generate=False)
+    td = TensorDict(batch_size=[len(chats)])
+    write_objects(td, ("history", "full"), chats)
+    with torch.no_grad():
+        actor(td)
+    mask = td["masks", "all_assistant_mask"] & td["masks", "all_attention_mask"]
+    sampled, ref = _perturbed(td["log_probs", "full"], td["tokens", "full"], td["masks", "all_attention_mask"], mask)
+    td["log_probs", "full"], td["ref_log_probs", "full"] = sampled, ref
+    td["advantage"] = MCAdvantage(4).compute(rewards, groups)
+    return actor, td
+
+
+def setup_tether(size: dict, micro_batches: int = 1):
+    """Zero-argument callable: tether GRPOLoss forward+backward over ``micro_batches`` parts."""
+    from tether.models import load_default_model
+    from tether.objectives import GRPOLoss
+    from tether.ops import aggregate_denominator
+
+    model, tokenizer = load_default_model()
+    actor, td = _tether_batch(model, tokenizer, size)
+    loss = GRPOLoss(actor, kl_to_ref_coeff=KL_COEFF, entropy_coeff=ENTROPY_COEFF)
+    mask = td["masks", "all_assistant_mask"]
+    denominator = aggregate_denominator(mask, loss.aggregation)
+    parts = torch.arange(td.shape[0]).chunk(micro_batches)
+
+    def run():
+        for rows in parts:
+            loss(td[rows], denominator=denominator).total_loss().backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def setup_torchrl(size: dict):
+    """Zero-argument callable: TorchRL GRPOLoss forward+backward on the same chats."""
+    from tensordict import TensorDict
+    from torchrl.data.llm import History
+    from torchrl.modules.llm import TransformersWrapper as TorchRLWrapper
+    from torchrl.modules.llm.policies import ChatHistory
+    from torchrl.objectives.llm import GRPOLoss as TorchRLGRPOLoss
+
+    from tether.models import load_default_model
+    from tether.objectives import MCAdvantage
+
+    model, tokenizer = load_default_model()
+    chats, rewards, groups = make_chats(**size)
+    actor = TorchRLWrapper(model, tokenizer=tokenizer, input_mode="history", generate=False,
+                           return_log_probs=True, pad_output=True)
+    td = TensorDict(batch_size=[len(chats)])
+    td["history"] = ChatHistory(full=History.from_chats(chats))
+    with torch.no_grad():
+        actor(td)
+    attention, mask = td["masks", "all_attention_mask"], td["masks", "all_assistant_mask"]
+    sampled, ref = _perturbed(td["log_probs", "full"], td["tokens", "full"], attention, mask)
+    td["log_probs", "full"] = sampled
+    td["next", "ref_log_probs", "full"] = ref
+    advantage = MCAdvantage(4).compute(rewards, groups)
+    # TorchRL wants the advantage with the log-weight's [B, T, 1] shape.
+    td["advantage"] = advantage[:, None, None].expand(*mask.shape, 1).clone()
+    loss = TorchRLGRPOLoss(actor, kl_to_ref_coeff=KL_COEFF, entropy_bonus=True, entropy_coeff=ENTROPY_COEFF,
+                           masking_strategy="rlhf")
+
+    def run():
+        out = loss(td)
+        sum(value for key, value in out.items() if key.startswith("loss_") and value is not None).backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _torchrl_available() -> bool:
+    if importlib.util.find_spec("torchrl") is None:
+        return False
+    try:
+        from torchrl.objectives.llm import GRPOLoss  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "skip the variant"
+        return False
+    return True
+
+
+VARIANTS = {
+    "tether": ("setup_tether", {"micro_batches": 1}),
+    "tether x4": ("setup_tether", {"micro_batches": 4}),
+    "torchrl": ("setup_torchrl", {}),
+}
+
+
+def run_table(size: dict, args) -> str:
+    names = ["tether", "tether x4"] + (["torchrl"] if _torchrl_available() else [])
+    results = {}
+    for name in names:
+        setup, extra = VARIANTS[name]
+        results[name] = measure_in_subprocess(
+            __file__, setup, {"size": size, **extra}, repeats=args.repeats, warmup=args.warmup
+        )
+    base = results.get("torchrl")
+    rows = []
+    for name, m in results.items():
+        row = [name, f"{m.median_s:.2f}", " ".join(f"{t:.1f}" for t in m.times_s), mib(m.peak_rss_growth_bytes)]
+        if base is not None:
+            t_ratio = m.median_s / base.median_s
+            m_ratio = m.peak_rss_growth_bytes / max(base.peak_rss_growth_bytes, 1)
+            targets = ["", ""]
+            if name != "torchrl":
+                targets = [_verdict(t_ratio, TIME_TARGET), _verdict(m_ratio, MEMORY_TARGET)]
+            row += [f"{t_ratio:.2f}x", f"{m_ratio:.2f}x", *targets]
+        rows.append(row)
+    headers = ["variant", "median time (s)", "times (s)", "peak RSS growth (MiB)"]
+    if base is not None:
+        headers += ["time / torchrl", "memory / torchrl", "time target", "memory target"]
+    return markdown_table(headers, rows)
+
+
+def _verdict(ratio: float, target: float) -> str:
+    return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
+
+
+def describe(size: dict) -> str:
+    chats, _, _ = make_chats(**size)
+    words = [len(c[-1]["content"].split()) for c in chats]
+    return f"16 chats, answers of {min(words)}-{max(words)} words (mean {sum(words) / len(words):.0f})"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short answers, one timed run, no warm-up")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs per variant")
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    print(
+        f"GRPOLoss forward+backward, SmolLM2-135M-Instruct float32, {describe(size)}, group size 4, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} after "
+        f"{args.warmup} warm-up; KL coeff {KL_COEFF}, entropy coeff {ENTROPY_COEFF}\n"
+    )
+    print(run_table(size, args))
+    if not _torchrl_available():
+        print("\ntorchrl is not importable here: run with .venv-bench/bin/python for the comparison.")
+
+
+if __name__ == "__main__":
+    main()
