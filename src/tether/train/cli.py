@@ -62,12 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tether train: {exc}", file=sys.stderr)
         return 2
-    if cfg.workers:
-        from tether.ray.train import train_distributed
-
-        summary = train_distributed(cfg, resume=bool(args.resume), progress=not args.quiet)
-    else:
-        summary = train(cfg, resume=bool(args.resume), progress=not args.quiet)
+    summary = train(cfg, resume=bool(args.resume), progress=not args.quiet)
     _print_summary(summary)
     print(f"  run directory              {cfg.out}")
     return 0

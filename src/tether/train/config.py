@@ -139,6 +139,9 @@ class TrainConfig:
         need(not (self.lora_rank and self.reference_update == "ema"),
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
+        # Ray rollout workers (tether.ray) are not part of this release yet: refuse instead of
+        # silently sampling in-process.
+        need(self.workers == 0, f"workers: Ray rollout workers are not available yet; use workers=0, got {self.workers}")
         p.extend(_task_problem(self.task))
         if p:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(p))
