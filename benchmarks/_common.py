@@ -6,11 +6,16 @@ the next. A benchmark module exposes a *setup* function ``setup(**kwargs) -> cal
 the setup builds the inputs, and only calls of the returned zero-argument callable are
 timed and counted for memory.
 
-Peak memory: on Linux the kernel's resident-set high-water mark (``VmHWM``) is reset after
-setup by writing ``5`` to ``/proc/self/clear_refs``, so the peak covers exactly the warm-up
-and timed calls. Elsewhere the fallback is ``resource.getrusage`` (``ru_maxrss``), whose peak
-also includes setup. The baseline is the resident set right after setup (psutil when
-installed, ``/proc/self/statm`` otherwise).
+Memory is the steady state of a training loop: the baseline is the resident set after the
+warm-up calls (psutil when installed, ``/proc/self/statm`` otherwise), so one-time library
+initialisation is not charged to the variant, and whatever a call returns or leaves behind
+must be released by the callable itself to be counted afresh on each call. The peak comes
+from the kernel's high-water mark (``VmHWM``), reset at the baseline by writing ``5`` to
+``/proc/self/clear_refs``; where that is not possible the fallback is
+``resource.getrusage`` (``ru_maxrss``), whose peak also covers setup and warm-up.
+
+Times are wall-clock (``perf_counter``) and, because the machines these run on are often
+shared, also process CPU time (all threads), which other processes disturb far less.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ _RESULT_TAG = "BENCH_RESULT "
 
 @dataclass(frozen=True)
 class Measurement:
-    """Median wall time of the timed calls and peak resident-set growth over the baseline."""
+    """Median wall and CPU time of the timed calls and peak resident-set growth."""
 
     median_s: float
     times_s: tuple[float, ...]
+    cpu_median_s: float
     peak_rss_growth_bytes: int
     peak_source: str
 
@@ -78,6 +84,7 @@ def measure_in_subprocess(
     return Measurement(
         median_s=data["median_s"],
         times_s=tuple(data["times_s"]),
+        cpu_median_s=data["cpu_median_s"],
         peak_rss_growth_bytes=data["peak_rss_growth_bytes"],
         peak_source=data["peak_source"],
     )
@@ -137,20 +144,22 @@ def _child(spec: dict) -> None:
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, spec["setup_name"])(**spec["kwargs"])
+    for _ in range(spec["warmup"]):
+        fn()
     gc.collect()
     baseline = _current_rss()
     reset_ok = _reset_peak()
-    for _ in range(spec["warmup"]):
-        fn()
-    times = []
+    times, cpu_times = [], []
     for _ in range(spec["repeats"]):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     peak, source = _peak_rss(reset_ok)
     result = {
         "median_s": statistics.median(times),
         "times_s": times,
+        "cpu_median_s": statistics.median(cpu_times),
         "peak_rss_growth_bytes": max(peak - baseline, 0),
         "peak_source": source,
     }

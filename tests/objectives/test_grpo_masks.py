@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, lazy_stack
 
 from tether.objectives import GRPOLoss
 from tether.models.batch_io import repack
@@ -169,7 +169,7 @@ def test_callers_tensordict_is_left_unchanged(actor):
 
 
 def layouts(td):
-    """The batch right-padded, left-padded and jagged (every per-token entry)."""
+    """The batch right-padded, left-padded, jagged, and as a lazy stack of unpadded rows."""
     attention = td["masks", "all_attention_mask"]
     per_token = [("tokens", "full"), ("masks", "all_assistant_mask"), ("log_probs", "full"), ("ref_log_probs", "full")]
     out = {}
@@ -182,11 +182,18 @@ def layouts(td):
     for key in per_token:
         jagged[key] = padded_to_nested(td[key], attention)
     out["jagged"] = jagged
+    rows = []
+    for row in range(td.shape[0]):
+        valid = attention[row]
+        rows.append(TensorDict({key: td[key][row][valid] for key in per_token}, batch_size=[]))
+        rows[-1]["advantage"] = td["advantage"][row]
+    out["lazy stack"] = lazy_stack(rows)
     return out
 
 
 def test_padded_left_right_and_jagged_layouts_agree(actor):
-    """Same rows stored right-padded, left-padded or as jagged nested tensors: same values."""
+    """Same rows stored right-padded, left-padded, as jagged nested tensors or as a lazy stack
+    of unpadded rows (TorchRL collectors' layout): same values."""
     td = base_batch(actor, outside=0.0)
     loss = full_loss(actor, aggregation="seq-mean-token-sum")
     reference = {name: getattr(loss(td), name).detach() for name in FIELDS}

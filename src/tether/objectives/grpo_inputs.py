@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor
 
+from tether.objectives._td import fetch, missing, present
 from tether.ops import nested_to_padded
 
 
@@ -70,19 +71,8 @@ class GRPOBatch:
         )
 
 
-def _present(td: TensorDictBase, key: NestedKey) -> bool:
-    return key in td.keys(include_nested=True, leaves_only=False)
-
-
-def _missing(td: TensorDictBase, key: NestedKey, what: str, fix: str) -> KeyError:
-    keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
-    return KeyError(f"{key!r}: expected {what} in the input TensorDict, but the key is missing. {fix} Present keys: {keys}.")
-
-
 def _fetch(td: TensorDictBase, key: NestedKey, what: str, fix: str = "") -> Tensor:
-    if not _present(td, key):
-        raise _missing(td, key, what, fix)
-    value = td.get(key)
+    value = fetch(td, key, what, fix)
     if not isinstance(value, Tensor):
         raise TypeError(f"{key!r}: expected {what} as a tensor, got {type(value).__name__}.")
     return value
@@ -158,12 +148,12 @@ def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tok
 
 
 def _ref_log_probs(td: TensorDictBase, key: NestedKey) -> Tensor:
-    if _present(td, key):
-        return td.get(key)
     nested = ("next", *((key,) if isinstance(key, str) else key))
-    if _present(td, "next") and _present(td, nested):
-        return td.get(nested)
-    raise _missing(
+    if not present(td, key) and present(td, "next") and present(td, nested):
+        key = nested
+    if present(td, key):
+        return _fetch(td, key, "the reference log-probs")
+    raise missing(
         td, key, "the reference log-probs (also looked up under 'next')",
         "Add them with tether.llm.RetrieveLogProb / RetrieveKL, or pass kl_to_ref_coeff=None.",
     )
@@ -212,8 +202,8 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
         _check_finite(advantage, torch.ones_like(advantage, dtype=torch.bool), keys.advantage)
     ref = clean(_ref_log_probs(td, keys.ref_log_probs), keys.ref_log_probs) if with_ref else None
     old = None
-    if with_old and _present(td, keys.old_log_probs):
-        old = clean(td.get(keys.old_log_probs).detach(), keys.old_log_probs)
+    if with_old and present(td, keys.old_log_probs):
+        old = clean(_fetch(td, keys.old_log_probs, "the old log-probs").detach(), keys.old_log_probs)
     return GRPOBatch(
         tokens=tokens,
         attention_mask=attention,

@@ -38,6 +38,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
+from tether.objectives._td import fetch
 from tether.objectives.group_advantage import check_advantage_options, mc_group_advantages
 from tether.ops import nested_to_padded, padded_to_nested
 
@@ -53,15 +54,8 @@ class _RewardEntries:
     restore: Callable[[Tensor], Tensor]  # [L, W] advantages -> the reward's own layout
 
 
-def _present(td: TensorDictBase, key: NestedKey) -> bool:
-    return key in td.keys(include_nested=True, leaves_only=False)
-
-
 def _require(td: TensorDictBase, key: NestedKey, what: str) -> Any:
-    if not _present(td, key):
-        keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
-        raise KeyError(f"{key!r}: expected {what} in the TensorDict, but the key is missing. Present keys: {keys}.")
-    return td.get(key)
+    return fetch(td, key, what)
 
 
 def prompt_group_key(prompt: Any) -> str:
