@@ -168,7 +168,7 @@ def main(argv=None) -> None:
     from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, one timed run")
+    parser.add_argument("--quick", action="store_true", help="small shapes for a smoke run")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
     parser.add_argument(
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     shapes = QUICK if args.quick else FULL
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 3
+        args.repeats = 5 if args.quick else 3
     chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
     print(
         f"label log-probs, float32, B={shapes['batch']} T={shapes['tokens']} "

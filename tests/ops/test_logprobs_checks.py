@@ -23,24 +23,31 @@ from tether.ops import (
 # Memory properties (deterministic: counted allocations and saved tensors, not RSS).
 
 
-def test_hidden_path_never_allocates_tokens_times_vocab():
-    """N = 48 tokens, V = 40, H = 8, chunk 7: forward + backward with entropy allocate at
-    most max(N*H, V*H, chunk*V) = 384 elements at once, far below N*V = 1920, and save only
-    hidden, weight, bias and [N] rows. The naive path, probed the same way, does allocate
-    and save N*V (so the probe can fail)."""
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_hidden_path_never_allocates_tokens_times_vocab(with_entropy):
+    """N = 48 tokens, V = 40, H = 8, chunk 7: forward + backward (label log-probs alone, the
+    factored fast path, or with entropy) allocate at most max(N*H, V*H, chunk*V) = 384
+    elements at once, far below N*V = 1920, and save only hidden, weight, bias and [N]
+    rows (labels, log-sum-exp, entropy). The naive path, probed the same way, does
+    allocate and save N*V (so the probe can fail)."""
     n, vocab, width, chunk = 48, 40, 8, 7
     hidden, weight, b = make_head((2, 24), width, vocab, torch.float32, True)
     labels = torch.randint(0, vocab, (2, 24))
-    call = lambda: token_stats_from_hidden(  # noqa: E731
-        hidden, weight, labels, chunk_size=chunk, lm_head_bias=b, with_entropy=True
-    )
+
+    def call():
+        return token_stats_from_hidden(
+            hidden, weight, labels, chunk_size=chunk, lm_head_bias=b, with_entropy=with_entropy
+        )
+
     with AllocationRecorder() as rec:
         stats = call()
-        (stats.log_probs.sum() + stats.entropy.sum()).backward()
+        loss = stats.log_probs.sum() + (stats.entropy.sum() if with_entropy else 0)
+        loss.backward()
     assert rec.op_counts["scatter_add_"] == math.ceil(n / chunk)  # the probe saw backward
     assert rec.largest() == max(n * width, vocab * width, chunk * vocab) < n * vocab
     sizes, _ = saved_tensor_sizes(call)
-    assert sorted(sizes) == sorted([n * width, vocab * width, vocab, n, n, n])
+    rows = [n, n, n] if with_entropy else [n, n]
+    assert sorted(sizes) == sorted([n * width, vocab * width, vocab, *rows])
 
     with AllocationRecorder() as naive_rec:
         logits = F.linear(hidden, weight, b)
