@@ -4,9 +4,12 @@ The batch: 16 chats, 4 arithmetic prompts x 4 answers of seeded random lengths (
 carries an explicit system message, so TorchRL's ChatML template and the model's own one
 render the same tokens), advantages per prompt group (``MCAdvantage.compute``), sampling
 log-probs slightly off the current policy and reference log-probs about 0.05 nats away on
-the response tokens. Every variant runs in a fresh interpreter (``_common``), times a full
-``forward + backward`` (gradients to all weights, then dropped) and reports the growth of
-the peak resident set over the state after setup (model loaded, batch built).
+the response tokens. Every variant runs in a fresh interpreter (``_common``) and times a
+full ``forward + backward`` (gradients to all weights, then dropped), in wall and process
+CPU seconds (on a shared machine the CPU seconds move less). Memory: the step footprint is
+the peak resident set of the timed calls over the one at the end of setup (model loaded,
+batch built); ``_common``'s growth over the post-warm-up state is shown beside it (it leaves
+out what the allocator kept from the warm-up call).
 
 Variants:
 
@@ -18,7 +21,7 @@ Variants:
 - ``torchrl``: ``torchrl.objectives.llm.GRPOLoss`` with ``kl_to_ref_coeff`` set and its
   entropy bonus on (only when torchrl imports; run with ``.venv-bench/bin/python``).
 
-Targets for tether: at most 0.5x TorchRL's time and 0.35x its peak memory.
+Targets for tether: at most 0.5x TorchRL's time and 0.35x its step footprint.
 
     .venv-bench/bin/python benchmarks/grpo.py            # full table (several minutes)
     .venv-bench/bin/python benchmarks/grpo.py --quick    # short answers, one timed run
@@ -27,10 +30,12 @@ Targets for tether: at most 0.5x TorchRL's time and 0.35x its peak memory.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import random
 import sys
+import tempfile
 
 import torch
 
@@ -99,7 +104,29 @@ def _tether_batch(model, tokenizer, size):
     return actor, td
 
 
-def setup_tether(size: dict, micro_batches: int = 1):
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_logged(run, rss_log: str | None):
+    """``run`` that also appends the resident set before each call to the file ``rss_log``,
+    after a first line with the resident set at the end of setup."""
+    if rss_log is None:
+        return run
+    gc.collect()
+    with open(rss_log, "w") as f:
+        f.write(f"{_rss()}\n")
+
+    def logged():
+        with open(rss_log, "a") as f:
+            f.write(f"{_rss()}\n")
+        run()
+
+    return logged
+
+
+def setup_tether(size: dict, micro_batches: int = 1, rss_log: str | None = None):
     """Zero-argument callable: tether GRPOLoss forward+backward over ``micro_batches`` parts."""
     from tether.models import load_default_model
     from tether.objectives import GRPOLoss
@@ -117,10 +144,10 @@ def setup_tether(size: dict, micro_batches: int = 1):
             loss(td[rows], denominator=denominator).total_loss().backward()
         model.zero_grad(set_to_none=True)
 
-    return run
+    return _rss_logged(run, rss_log)
 
 
-def setup_torchrl(size: dict):
+def setup_torchrl(size: dict, rss_log: str | None = None):
     """Zero-argument callable: TorchRL GRPOLoss forward+backward on the same chats."""
     from tensordict import TensorDict
     from torchrl.data.llm import History
@@ -154,7 +181,7 @@ def setup_torchrl(size: dict):
         sum(value for key, value in out.items() if key.startswith("loss_") and value is not None).backward()
         model.zero_grad(set_to_none=True)
 
-    return run
+    return _rss_logged(run, rss_log)
 
 
 def _torchrl_available() -> bool:
@@ -174,29 +201,47 @@ VARIANTS = {
 }
 
 
+def _measure(name: str, size: dict, args) -> tuple:
+    """(Measurement, step footprint in bytes) of one variant in a fresh process.
+
+    ``_common`` reports the peak growth over the resident set *after* the warm-up calls, so
+    memory a call allocates and the allocator keeps for the next call is not in it. The step
+    footprint adds it back: the peak of the timed calls over the resident set at the end of
+    setup (model loaded, batch built), i.e. what one training step needs.
+    """
+    setup, extra = VARIANTS[name]
+    with tempfile.TemporaryDirectory() as folder:
+        log = os.path.join(folder, "rss.txt")
+        m = measure_in_subprocess(
+            __file__, setup, {"size": size, "rss_log": log, **extra}, repeats=args.repeats, warmup=args.warmup
+        )
+        with open(log) as f:
+            rss = [int(line) for line in f if line.strip()]
+    after_setup, before_timed = rss[0], rss[1 + args.warmup]
+    return m, before_timed + m.peak_rss_growth_bytes - after_setup
+
+
 def run_table(size: dict, args) -> str:
     names = ["tether", "tether x4"] + (["torchrl"] if _torchrl_available() else [])
-    results = {}
-    for name in names:
-        setup, extra = VARIANTS[name]
-        results[name] = measure_in_subprocess(
-            __file__, setup, {"size": size, **extra}, repeats=args.repeats, warmup=args.warmup
-        )
+    results = {name: _measure(name, size, args) for name in names}
     base = results.get("torchrl")
     rows = []
-    for name, m in results.items():
-        row = [name, f"{m.median_s:.2f}", " ".join(f"{t:.1f}" for t in m.times_s), mib(m.peak_rss_growth_bytes)]
+    for name, (m, footprint) in results.items():
+        row = [name, f"{m.median_s:.1f}", " ".join(f"{t:.1f}" for t in m.times_s), f"{m.cpu_median_s:.1f}",
+               mib(footprint), mib(m.peak_rss_growth_bytes)]
         if base is not None:
-            t_ratio = m.median_s / base.median_s
-            m_ratio = m.peak_rss_growth_bytes / max(base.peak_rss_growth_bytes, 1)
+            t_ratio = m.median_s / base[0].median_s
+            c_ratio = m.cpu_median_s / base[0].cpu_median_s
+            f_ratio = footprint / max(base[1], 1)
             targets = ["", ""]
             if name != "torchrl":
-                targets = [_verdict(t_ratio, TIME_TARGET), _verdict(m_ratio, MEMORY_TARGET)]
-            row += [f"{t_ratio:.2f}x", f"{m_ratio:.2f}x", *targets]
+                targets = [_verdict(t_ratio, TIME_TARGET), _verdict(f_ratio, MEMORY_TARGET)]
+            row += [f"{t_ratio:.2f}x", f"{c_ratio:.2f}x", f"{f_ratio:.2f}x", *targets]
         rows.append(row)
-    headers = ["variant", "median time (s)", "times (s)", "peak RSS growth (MiB)"]
+    headers = ["variant", "median wall (s)", "wall times (s)", "median CPU (s)", "step footprint (MiB)",
+               "peak growth after warm-up (MiB)"]
     if base is not None:
-        headers += ["time / torchrl", "memory / torchrl", "time target", "memory target"]
+        headers += ["wall / torchrl", "CPU / torchrl", "footprint / torchrl", "time target", "memory target"]
     return markdown_table(headers, rows)
 
 

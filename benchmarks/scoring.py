@@ -15,10 +15,17 @@ warm-up, peak resident-set growth over the state after setup):
 TorchRL runs (when ``torchrl`` imports) under ``torch.no_grad()`` with its own
 ``TransformersWrapper`` (history input, ``pad_output=True``), ``RetrieveKL`` and
 ``RetrieveLogProb``; it has no reuse mode, so ``reuse`` is compared with its ``kl`` time.
-Both sides skip the reward (``add_to_reward=False``): TorchRL refuses a ``[B, 1]`` reward.
-Each timed call starts from a fresh batch of chats, so every call renders and tokenises.
+Both sides skip the reward (``add_to_reward=False``; TorchRL's ``KLComputation`` wants a
+per-token reward of the padded width). Each timed call starts from a fresh batch of chats,
+so every call renders and tokenises.
 
-    .venv-bench/bin/python benchmarks/scoring.py          # both libraries (~5 min, 2 cores)
+Each process uses one torch thread by default (``--threads``): on a CPU shared with other
+jobs, two OpenMP threads wait on each other at every barrier and the same call then varies
+by 10x; one thread keeps repeat-to-repeat spread to a few percent. ``--token-budget N``
+adds rows for tether with ``TransformersWrapper(token_budget=N)`` (rows per scoring pass
+sized to N tokens: less padding in mixed-length batches).
+
+    .venv-bench/bin/python benchmarks/scoring.py          # both libraries (~11 min; ~16 with --token-budget)
     .venv-bench/bin/python benchmarks/scoring.py --quick  # 4 chats, one timed run
     .venv/bin/python benchmarks/scoring.py                # tether only (no torchrl there)
 """
@@ -90,15 +97,19 @@ def _models():
 
 
 # ------------------------------------------------------------------ tether variants
-def setup_tether(variant: str, n_chats: int):
+def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | None = None):
     """Build models and workload; return the callable timed for ``variant``."""
+    import torch
+
     from tether.llm import RetrieveKL, RetrieveLogProb, chat_batch
     from tether.models import TransformersWrapper
 
+    torch.set_num_threads(threads)
     policy_model, reference_model, tok = _models()
     chats = make_chats(tok, n_chats)
-    policy = TransformersWrapper(policy_model, tok, generate=False)
-    reference = TransformersWrapper(reference_model, tok, generate=False, log_probs_key="ref_log_probs")
+    tuned = {} if token_budget is None else {"token_budget": token_budget}
+    policy = TransformersWrapper(policy_model, tok, generate=False, **tuned)
+    reference = TransformersWrapper(reference_model, tok, generate=False, log_probs_key="ref_log_probs", **tuned)
     if variant == "kl":
         module = RetrieveKL(policy, reference, add_to_reward=False)
         return lambda: module(chat_batch(chats))
@@ -106,16 +117,16 @@ def setup_tether(variant: str, n_chats: int):
         module = RetrieveLogProb(reference)
         return lambda: module(chat_batch(chats))
     # reuse: a batch as a sampler leaves it (tokens, masks, sampling log-probs), built once.
-    sampled = RetrieveLogProb(policy)(chat_batch(chats))
-    module = RetrieveKL(None, reference, add_to_reward=False)
     keep = [("history", "full"), ("tokens", "full"), ("masks", "all_attention_mask"),
             ("masks", "all_assistant_mask"), ("log_probs", "full")]
-    sampled = sampled.select(*keep)
+    sampled = RetrieveLogProb(policy)(chat_batch(chats)).select(*keep)
+    module = RetrieveKL(None, reference, add_to_reward=False)
     return lambda: module(sampled.copy())
 
 
 # ------------------------------------------------------------------ TorchRL variants
-def setup_torchrl(variant: str, n_chats: int):
+def setup_torchrl(variant: str, n_chats: int, threads: int):
+    """TorchRL's wrapper and transforms on the same models and chats, under no_grad."""
     import torch
     from tensordict import TensorDict, set_list_to_stack
     from torchrl.data.llm import History
@@ -123,6 +134,7 @@ def setup_torchrl(variant: str, n_chats: int):
     from torchrl.modules.llm import TransformersWrapper
     from torchrl.modules.llm.policies import ChatHistory
 
+    torch.set_num_threads(threads)
     set_list_to_stack(True).set()
     policy_model, reference_model, tok = _models()
     chats = make_chats(tok, n_chats)
@@ -160,16 +172,11 @@ def _verdict(ratio: float, target: float) -> str:
     return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
 
 
-def run_table(n_chats: int, repeats: int, warmup: int, with_torchrl: bool) -> str:
-    measure = lambda setup, variant: measure_in_subprocess(  # noqa: E731
-        __file__, setup, {"variant": variant, "n_chats": n_chats}, repeats=repeats, warmup=warmup
-    )
-    ours = {v: measure("setup_tether", v) for v in TARGETS}
-    theirs = {v: measure("setup_torchrl", v) for v in ("kl", "ref")} if with_torchrl else {}
+def _tether_rows(label: str, ours: dict, theirs: dict) -> list[list[str]]:
     rows = []
     for variant, (base_name, time_target, mem_target) in TARGETS.items():
         m = ours[variant]
-        row = [variant, "tether", f"{m.median_s:.3f}", mib(m.peak_rss_growth_bytes)]
+        row = [variant, label, f"{m.median_s:.3f}", mib(m.peak_rss_growth_bytes)]
         base = theirs.get(base_name)
         if base is None:
             rows.append(row + ["", "", "", ""])
@@ -178,11 +185,29 @@ def run_table(n_chats: int, repeats: int, warmup: int, with_torchrl: bool) -> st
         m_ratio = m.peak_rss_growth_bytes / max(base.peak_rss_growth_bytes, 1)
         mem_cells = [f"{m_ratio:.3f}x", _verdict(m_ratio, mem_target)] if mem_target else ["", ""]
         rows.append(row + [f"{t_ratio:.2f}x (vs TorchRL {base_name})", _verdict(t_ratio, time_target), *mem_cells])
+    return rows
+
+
+def run_table(n_chats: int, repeats: int, warmup: int, threads: int, with_torchrl: bool,
+              token_budget: int | None) -> str:
+    def measure(setup: str, variant: str, **extra):
+        kwargs = {"variant": variant, "n_chats": n_chats, "threads": threads, **extra}
+        return measure_in_subprocess(__file__, setup, kwargs, repeats=repeats, warmup=warmup)
+
+    theirs = {v: measure("setup_torchrl", v) for v in ("kl", "ref")} if with_torchrl else {}
+    ours = {v: measure("setup_tether", v) for v in TARGETS}
+    rows = _tether_rows("tether (defaults)", ours, theirs)
+    measured = [*theirs.values(), *ours.values()]
+    if token_budget is not None:
+        tuned = {v: measure("setup_tether", v, token_budget=token_budget) for v in TARGETS}
+        rows += _tether_rows(f"tether (token_budget={token_budget})", tuned, theirs)
+        measured += tuned.values()
     for variant, m in theirs.items():
         rows.append([variant, "TorchRL", f"{m.median_s:.3f}", mib(m.peak_rss_growth_bytes), "1.00x", "", "1.000x", ""])
     headers = ["variant", "library", "median time (s)", "peak RSS growth (MiB)", "time ratio",
                "time target", "memory ratio", "memory target"]
-    return markdown_table(headers, rows)
+    sources = sorted({m.peak_source for m in measured})
+    return markdown_table(headers, rows) + f"\n\npeak memory read from: {', '.join(map(str, sources))}"
 
 
 def main(argv=None) -> None:
@@ -192,6 +217,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="4 chats, one timed run")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="also time tether with TransformersWrapper(token_budget=N)")
     parser.add_argument("--no-torchrl", action="store_true", help="tether variants only")
     args = parser.parse_args(argv)
     n_chats = QUICK_CHATS if args.quick else FULL_CHATS
@@ -199,11 +227,11 @@ def main(argv=None) -> None:
     with_torchrl = not args.no_torchrl and _torchrl_available()
     print(
         f"scoring {n_chats} chats ({MIN_TOKENS}-{MAX_TOKENS} tokens, seed {SEED}) with "
-        f"SmolLM2-135M-Instruct float32, torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads, median of {repeats} after {args.warmup} warm-up, "
+        f"SmolLM2-135M-Instruct float32, torch {torch.__version__}, {args.threads} "
+        f"thread(s), median of {repeats} after {args.warmup} warm-up, "
         f"{'with' if with_torchrl else 'without'} TorchRL\n"
     )
-    print(run_table(n_chats, repeats, args.warmup, with_torchrl))
+    print(run_table(n_chats, repeats, args.warmup, args.threads, with_torchrl, args.token_budget))
 
 
 if __name__ == "__main__":

@@ -124,6 +124,19 @@ def test_actor_without_score_is_refused():
         GRPOLoss(torch.nn.Linear(2, 2))
 
 
+class _NoEntropyActor(UnigramActor):
+    def score(self, tokens, attention_mask, *, with_entropy=False):
+        stats = super().score(tokens, attention_mask)
+        return type(stats)(log_probs=stats.log_probs, entropy=None)
+
+
+def test_actor_without_entropy_needs_the_bonus_off():
+    actor = _NoEntropyActor([1.0, 0.0, -1.0])
+    with pytest.raises(TypeError, match=r"returned no entropy.*entropy_bonus=False"):
+        GRPOLoss(actor)(batch(actor))
+    assert GRPOLoss(actor, entropy_bonus=False)(batch(actor)).entropy is None
+
+
 def test_kl_coef_aliases_kl_to_ref_coeff(actor):
     """A controller drives kl_coef: reading and writing it is reading and writing
     kl_to_ref_coeff, and the KL loss term scales with it."""

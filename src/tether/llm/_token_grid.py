@@ -128,22 +128,22 @@ def read_mask(scopes: tuple[TensorDictBase, ...], key: NestedKey, like: TokenGri
     scope = find(scopes, key)
     if scope is None:
         return None
-    value = scope.get(key)
-    if value.is_nested != like.nested:
+    grid = read_grid(scope, key)
+    if grid.nested != like.nested:
         raise ValueError(
-            f"{key!r}: stored {'nested' if value.is_nested else 'padded'} but the log-probs are "
+            f"{key!r}: stored {'nested' if grid.nested else 'padded'} but the log-probs are "
             f"{'nested' if like.nested else 'padded'}. Write masks and log-probs with the same "
             "pad_output setting."
         )
-    grid = read_grid(scope, key).values.bool() if value.is_nested else value.bool()
-    if grid.shape != like.valid.shape:
+    same_rows = not like.nested or torch.equal(grid.valid, like.valid.to(grid.valid.device))
+    if grid.values.shape != like.valid.shape or not same_rows:
         raise ValueError(
             f"{key!r}: expected a mask of shape {tuple(like.valid.shape)} aligned with the "
-            f"log-probs, got {tuple(grid.shape)}. Produce masks and log-probs from the same tokens."
+            f"log-probs, got {tuple(grid.values.shape)}"
+            f"{' with other row lengths' if not same_rows else ''}. Produce masks and log-probs "
+            "from the same tokens."
         )
-    if like.nested and not torch.equal(read_grid(scope, key).valid, like.valid):
-        raise ValueError(f"{key!r}: the nested mask's row lengths differ from the log-probs'.")
-    return grid.to(like.valid.device)
+    return grid.values.bool().to(like.valid.device)
 
 
 def place(values: Tensor, device: torch.device | None) -> Tensor:

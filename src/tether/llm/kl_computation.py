@@ -221,7 +221,9 @@ class KLComputation(TensorDictModuleBase):
             return torch.where(gen.valid[..., None], reward[:, None, :], 0.0)
         if reward.shape == (batch, width, 1) and not gen.nested:
             return reward
-        expected = "[B, 1] or [B, j, 1] (jagged)" if gen.nested else f"[B, 1] or [B, T, 1] = {[batch, 1]} or {[batch, width, 1]}"
+        expected = "[B, 1] or [B, j, 1] (jagged)"
+        if not gen.nested:
+            expected = f"[B, 1] or [B, T, 1] = {[batch, 1]} or {[batch, width, 1]}"
         raise ValueError(
             f"{self.reward_key!r}: expected a reward of shape {expected}, got "
             f"{list(reward.shape)}. Add the trailing singleton dimension to per-token rewards."

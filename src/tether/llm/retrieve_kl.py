@@ -7,8 +7,8 @@ the very same ids.
 
 ``gen_model=None`` reuses the log-probs recorded at sampling time under
 ``gen_log_probs_full_key`` and saves one forward pass of the policy. That equals a
-recomputation exactly (up to float rounding, about 1e-6 in float32: the sampler scores
-token by token through a KV cache, the scorer in one pass) when all of these hold:
+recomputation up to float32 rounding (the sampler records float32 log-probs token by token
+through a KV cache, a scorer computes them in one pass) when all of these hold:
 
 * the policy weights are those that sampled the batch (no optimiser step since) and the
   model behaves deterministically (eval mode: no dropout);

@@ -36,7 +36,7 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, read_grpo_batch
-from tether.objectives.grpo_output import LOSS_FIELDS, GRPOLossOutput
+from tether.objectives.grpo_output import GRPOLossOutput
 from tether.ops import (
     aggregate,
     clipped_surrogate,
@@ -108,7 +108,9 @@ class GRPOLoss(nn.Module):
             that key is absent, ``pi_old`` is taken as the current policy (detached): exact
             when each batch is used for one optimiser step (then the weights were not
             updated since sampling); with several steps per batch store the old log-probs,
-            or the ratio stays 1 and the clip never acts.
+            or the ratio stays 1 and the clip never acts. With ``None`` (default) the ratio
+            is taken against the sampling log-probs, as in the seed, and no old log-probs
+            are read.
         importance_cap: the TIS / MIS threshold (> 0).
         normalizer: the constant per-row divisor of ``"seq-mean-token-sum-norm"`` (e.g.
             the maximal response length, Dr. GRPO).
@@ -251,6 +253,11 @@ class GRPOLoss(nn.Module):
             with_old=self.importance_correction is not None,
         )
         stats = self.actor_network.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus)
+        if self.entropy_bonus and stats.entropy is None:
+            raise TypeError(
+                f"actor_network.score(..., with_entropy=True) returned no entropy ({type(self.actor_network).__name__}); "
+                "return TokenStats.entropy or build the loss with entropy_bonus=False."
+            )
         cur_all = stats.log_probs
         batch = batch.to(cur_all.device, cur_all.dtype)
         mask = batch.mask
@@ -313,6 +320,3 @@ class GRPOLoss(nn.Module):
             f"kl_to_ref_coeff={self.kl_to_ref_coeff}, kl_estimator={self.kl_estimator!r}, "
             f"kl_correction={self.kl_correction!r}, entropy_coeff={self.entropy_coeff if self.entropy_bonus else None}"
         )
-
-
-

@@ -58,6 +58,19 @@ def _require(td: TensorDictBase, key: NestedKey, what: str) -> Any:
     return fetch(td, key, what)
 
 
+def _jagged_safe(operation: Callable[[], Any], what: str) -> Any:
+    """Run a TensorDict split/cat; explain the failure older tensordict versions give on jagged entries."""
+    try:
+        return operation()
+    except RuntimeError as err:
+        if "NestedTensor" not in str(err):
+            raise
+        raise ValueError(
+            f"cannot {what} a TensorDict holding jagged (nested) entries with this tensordict version "
+            f"({err}). Store per-token rewards padded with their mask under mask_key, or use tensordict >= 0.15."
+        ) from err
+
+
 def prompt_group_key(prompt: Any) -> str:
     """A hashable queue key for a prompt: the string itself, or a hash of a chat's canonical JSON."""
     if isinstance(prompt, str):
@@ -162,7 +175,7 @@ class MCAdvantage(nn.Module):
         emitted = [group for traj in self._trajectories(tensordict) if (group := self._enqueue(traj)) is not None]
         if not emitted:
             return None
-        return torch.cat(emitted, 0)
+        return _jagged_safe(lambda: torch.cat(emitted, 0), "concatenate")
 
     _inv_call = add  # the name TorchRL's replay buffers call on write
     inv = add
@@ -199,7 +212,7 @@ class MCAdvantage(nn.Module):
                 "done=True)."
             )
         sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-        return list(td.split(sizes, 0)) if len(sizes) > 1 else [td]
+        return list(_jagged_safe(lambda: td.split(sizes, 0), "split")) if len(sizes) > 1 else [td]
 
     # ------------------------------------------------------------------ grouping
     def _enqueue(self, traj: TensorDictBase) -> TensorDictBase | None:
@@ -236,7 +249,7 @@ class MCAdvantage(nn.Module):
             traj = traj.copy()
             traj.set(self.advantage_key, entry.restore(full))
             out.append(traj)
-        return torch.cat(out, 0)
+        return _jagged_safe(lambda: torch.cat(out, 0), "concatenate")
 
     def _entries(self, traj: TensorDictBase) -> _RewardEntries:
         reward = _require(traj, self.rewards_key, "the rewards")
