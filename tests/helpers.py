@@ -31,3 +31,26 @@ def make_tiny_model(
 ) -> LlamaForCausalLM:
     """A 2-layer random Llama over ``tokenizer``'s vocabulary (260 ids by default)."""
     return tiny_causal_lm(tokenizer or make_tokenizer(), hidden=hidden, layers=layers, seed=seed, tie=tie, dtype=dtype)
+
+
+def make_tiny_classifier(
+    *, pad_token_id: int | None = None, eos_token_id: int | None = None, num_labels: int = 1,
+    seed: int = 0, max_positions: int = 256, dtype: torch.dtype = torch.float32,
+):
+    """A 2-layer random ``LlamaForSequenceClassification`` over the 260-id test vocabulary.
+
+    Seeded without disturbing the global RNG, like ``make_tiny_model``.
+    """
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        num_labels=num_labels, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return LlamaForSequenceClassification(config).to(dtype).eval()
+    finally:
+        torch.random.set_rng_state(state)

@@ -4,30 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaForSequenceClassification
 
 from tests.helpers import make_tiny_model, make_tokenizer
 from tether.models import RewardOutput, SequenceRewardModel
+from tests.helpers import make_tiny_classifier
 
 PAD, EOS = 259, 258
 ROWS = [[257, 72, 105, 33, 258], [257, 200, 3, 258, 10, 65, 66, 258], [257, 9]]
 
 
 def classifier(*, pad_token_id=PAD, num_labels=1, seed=0) -> LlamaForSequenceClassification:
-    config = LlamaConfig(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        num_labels=num_labels,
-        pad_token_id=pad_token_id,
-        eos_token_id=EOS,
-    )
-    torch.manual_seed(seed)
-    return LlamaForSequenceClassification(config).eval()
+    return make_tiny_classifier(pad_token_id=pad_token_id, eos_token_id=EOS, num_labels=num_labels,
+                                seed=seed, max_positions=64)
 
 
 def pad(rows, value, side):

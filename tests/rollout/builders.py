@@ -8,8 +8,10 @@ from __future__ import annotations
 import math
 
 import torch
+
+from tests.helpers import make_tiny_classifier
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForSequenceClassification
+
 
 from tests.helpers import make_tiny_model
 from tether.models import SequenceRewardModel
@@ -41,23 +43,7 @@ def reward_model(seed: int = 7, dtype=torch.float64) -> SequenceRewardModel:
     Without ``pad_token_id`` Hugging Face pools a single unpadded row at its last token, which
     gives the tests an independent end score (``classifier(row[None]).logits``).
     """
-    config = LlamaConfig(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        num_labels=1,
-        pad_token_id=None,
-    )
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = LlamaForSequenceClassification(config).to(dtype).eval()
-    finally:
-        torch.random.set_rng_state(state)
+    model = make_tiny_classifier(seed=seed, dtype=dtype)
     return SequenceRewardModel(model)
 
 

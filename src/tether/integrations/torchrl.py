@@ -64,8 +64,8 @@ def _env_transform_class() -> type:
         def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
             return self.kl_transform(tensordict)
 
-        def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-            return self.kl_transform(tensordict)
+        def forward(self, td: TensorDictBase) -> TensorDictBase:
+            return self.kl_transform(td)
 
         def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase):
             # New keys are observation entries; a reset has no transition to penalise, so

@@ -21,6 +21,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import Tensor
 
+from tether.llm.keys import REFERENCE_LOG_PROBS, SAMPLE_LOG_PROBS
 from tether.llm._checks import check_coef, check_estimator, check_padding_side
 from tether.llm._token_grid import (
     ASSISTANT_KEY,
@@ -89,8 +90,8 @@ class KLComputation(TensorDictModuleBase):
 
     def __init__(
         self,
-        gen_log_probs_full_key: NestedKey = ("log_probs", "full"),
-        ref_log_probs_full_key: NestedKey = ("ref_log_probs", "full"),
+        gen_log_probs_full_key: NestedKey = SAMPLE_LOG_PROBS,
+        ref_log_probs_full_key: NestedKey = REFERENCE_LOG_PROBS,
         *,
         kl_key: NestedKey = "kl_penalty",
         add_to_reward: bool = True,
@@ -152,9 +153,9 @@ class KLComputation(TensorDictModuleBase):
                 "only write the KL.",
             )
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        self.check_inputs(tensordict)
-        scopes = scopes_of(tensordict)
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self.check_inputs(td)
+        scopes = scopes_of(td)
         keys = (self.gen_log_probs_full_key, self.ref_log_probs_full_key)
         found = [find(scopes, key) for key in keys]
         gen = self._read(scopes, found[0], keys[0])
@@ -168,7 +169,7 @@ class KLComputation(TensorDictModuleBase):
         if self.add_to_reward:
             reward = self._reward_grid(target, gen)
             target.set(self.out_reward_key, gen.restore(reward - self._coeff * kl.unsqueeze(-1)))
-        return tensordict
+        return td
 
     @staticmethod
     def _read(scopes: tuple[TensorDictBase, ...], scope: TensorDictBase, key: NestedKey) -> TokenGrid:

@@ -24,6 +24,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
+from tether.llm.keys import SAMPLE_LOG_PROBS
 from tether.llm._token_grid import ATTENTION_KEY, as_key
 from tether.llm.kl_computation import KLComputation
 from tether.llm.retrieve_kl import resolve_reference
@@ -91,7 +92,7 @@ class KLRewardTransform(TensorDictModuleBase):
         coef: float = 1.0,
         in_keys: Any = None,
         out_keys: Any = None,
-        log_prob_key: NestedKey = ("log_probs", "full"),
+        log_prob_key: NestedKey = SAMPLE_LOG_PROBS,
         device: torch.device | str | None = None,
         add_to_reward: bool = True,
         tokenizer: Any = None,
@@ -125,7 +126,7 @@ class KLRewardTransform(TensorDictModuleBase):
 
     coef = kl_coef  # the seed's keyword
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward or policy log-probs before running the reference.
-        self.kl_computation.check_inputs(tensordict, (self.log_prob_key,))
-        return self.kl_computation(self.ref_log_prob(tensordict))
+        self.kl_computation.check_inputs(td, (self.log_prob_key,))
+        return self.kl_computation(self.ref_log_prob(td))

@@ -32,7 +32,7 @@ for matching layout, vocabulary and temperature; the estimator is selectable.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import nn
 
+from tether.llm.keys import REFERENCE_LOG_PROBS, SAMPLE_LOG_PROBS
 from tether.llm._checks import check_pair, check_scorer, check_tokenizers
 from tether.llm._token_grid import as_key
 from tether.llm.kl_computation import KLComputation
@@ -55,7 +56,7 @@ def resolve_reference(
     ref_model_factory: Callable[[], TransformersWrapper] | None,
 ) -> TransformersWrapper:
     """The reference scorer from exactly one of ``ref_model`` and ``ref_model_factory``."""
-    if ref_model is not None and ref_model_factory is not None:
+    if ref_model_factory is not None and ref_model is not None:
         raise ValueError(
             "ref_model and ref_model_factory were both given; expected exactly one. Pass the "
             "wrapper, or a factory that builds it (useful where the model must be built remotely)."
@@ -105,13 +106,13 @@ class RetrieveKL(TensorDictModuleBase):
         *,
         ref_model_factory: Callable[[], TransformersWrapper] | None = None,
         assistant_only: bool = True,
-        tokenizer_kwargs: dict[str, Any] | None = None,
+        tokenizer_kwargs: Mapping[str, Any] | None = None,
         detach: bool = True,
         device: torch.device | str | None = None,
         tokenizer: Any = None,
         padding_side: str = "left",
-        gen_log_probs_full_key: NestedKey = ("log_probs", "full"),
-        ref_log_probs_full_key: NestedKey = ("ref_log_probs", "full"),
+        gen_log_probs_full_key: NestedKey = SAMPLE_LOG_PROBS,
+        ref_log_probs_full_key: NestedKey = REFERENCE_LOG_PROBS,
         kl_key: NestedKey = "kl_penalty",
         add_to_reward: bool = True,
         coeff: float = 1.0,
@@ -131,10 +132,15 @@ class RetrieveKL(TensorDictModuleBase):
             check_tokenizers(tokenizer, ref_model.tokenizer, ("tokenizer", "ref_model.tokenizer"))
         gen_key = as_key("gen_log_probs_full_key", gen_log_probs_full_key)
         ref_key = as_key("ref_log_probs_full_key", ref_log_probs_full_key)
-        shared = dict(
-            assistant_only=assistant_only, tokenizer_kwargs=tokenizer_kwargs, detach=detach,
-            device=device, tokenizer=tokenizer, padding_side=padding_side,
-        )
+        # Both scorers see the same chat rendering, layout and detaching.
+        shared = {
+            "tokenizer": tokenizer,
+            "tokenizer_kwargs": tokenizer_kwargs,
+            "assistant_only": assistant_only,
+            "padding_side": padding_side,
+            "detach": detach,
+            "device": device,
+        }
         self.gen_log_prob = (
             None if gen_model is None else RetrieveLogProb(gen_model, log_probs_full_key=gen_key, **shared)
         )
@@ -158,11 +164,11 @@ class RetrieveKL(TensorDictModuleBase):
 
     coeff = kl_coef  # the seed's keyword
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward (or missing sampling log-probs) before running a model.
         reused = () if self.gen_log_prob is not None else (self.kl_computation.gen_log_probs_full_key,)
-        self.kl_computation.check_inputs(tensordict, reused)
+        self.kl_computation.check_inputs(td, reused)
         if self.gen_log_prob is not None:
-            tensordict = self.gen_log_prob(tensordict)
-        tensordict = self.ref_log_prob(tensordict)
-        return self.kl_computation(tensordict)
+            td = self.gen_log_prob(td)
+        td = self.ref_log_prob(td)
+        return self.kl_computation(td)

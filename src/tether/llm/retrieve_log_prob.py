@@ -22,6 +22,7 @@ token; scoring is padding-free and never builds ``[B, T, V]`` logits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +107,7 @@ class RetrieveLogProb(TensorDictModuleBase):
         *,
         log_probs_full_key: NestedKey | None = None,
         assistant_only: bool = True,
-        tokenizer_kwargs: dict[str, Any] | None = None,
+        tokenizer_kwargs: Mapping[str, Any] | None = None,
         tokenizer: Any = None,
         detach: bool = True,
         device: torch.device | str | None = None,
@@ -114,9 +115,8 @@ class RetrieveLogProb(TensorDictModuleBase):
     ) -> None:
         super().__init__()
         self.model = check_scorer(model)
-        if log_probs_full_key is None:
-            log_probs_full_key = (model.log_probs_key, "full")
-        self.log_probs_full_key = as_key("log_probs_full_key", log_probs_full_key)
+        default_key = (model.log_probs_key, "full")
+        self.log_probs_full_key = as_key("log_probs_full_key", log_probs_full_key or default_key)
         if tokenizer is not None:
             check_tokenizers(tokenizer, model.tokenizer, ("tokenizer", "model.tokenizer"))
         self.tokenizer = tokenizer
@@ -129,27 +129,27 @@ class RetrieveLogProb(TensorDictModuleBase):
         self.out_keys = [self.log_probs_full_key]
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
         with torch.no_grad() if self.detach else nullcontext():
-            scored = self._score(tensordict)
+            scored = self._score(td)
         log_probs = scored.log_probs
         if self.assistant_only:
             log_probs = torch.where(scored.assistant.to(log_probs.device), log_probs, 0.0)
-        device = self.device or tensordict.device or scored.ids.device
+        device = self.device or td.device or scored.ids.device
         log_probs = place(log_probs, device)
-        target = target_of(tensordict)
+        target = target_of(td)
         if scored.from_batch:
             values = padded_to_nested(log_probs, scored.mask.to(device)) if scored.nested else log_probs
             target.set(self.log_probs_full_key, values)
-            return tensordict
+            return td
         layout = dict(pad_output=self.model.pad_output, padding_side=self.padding_side)
         mask = scored.mask.to(device)
         write_ragged(target, self.log_probs_full_key, log_probs, mask, **layout)
-        write_ragged(tensordict, TOKENS_KEY, scored.ids.to(device), mask, mask_key=ATTENTION_KEY,
+        write_ragged(td, TOKENS_KEY, scored.ids.to(device), mask, mask_key=ATTENTION_KEY,
                      pad_value=self.model.pad_id, **layout)
         if scored.assistant is not None:
-            write_ragged(tensordict, ASSISTANT_KEY, scored.assistant.to(device) & mask, mask, **layout)
-        return tensordict
+            write_ragged(td, ASSISTANT_KEY, scored.assistant.to(device) & mask, mask, **layout)
+        return td
 
     # ------------------------------------------------------------------ scoring
     def _score(self, td: TensorDictBase) -> ScoredBatch:

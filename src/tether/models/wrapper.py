@@ -187,12 +187,12 @@ class TransformersWrapper(TensorDictModuleBase):
         return next(self.model.parameters()).device
 
     # ---------------------------------------------------------------- public API
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
         if self.generate:
-            self._generate(tensordict)
+            self._generate(td)
         else:
-            self._score(tensordict)
-        return tensordict
+            self._score(td)
+        return td
 
     def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False) -> TokenStats:
         """Per-token log-probs (and entropies) of ``tokens [B, T]`` under this model.

@@ -168,7 +168,7 @@ class GRPOLoss(nn.Module):
         self.aggregation = _AGGREGATION_ALIASES.get(aggregation, aggregation)
         self.normalizer = normalizer
         self.kl_to_ref_coeff = kl_to_ref_coeff
-        self.kl_to_inference_coeff = kl_to_inference_coeff
+        self._kl_to_inference_coeff = _coefficient("kl_to_inference_coeff", kl_to_inference_coeff, optional=True)
         self.kl_estimator = kl_estimator
         self.kl_correction = kl_correction
         self.ratio_level = ratio_level
@@ -244,10 +244,10 @@ class GRPOLoss(nn.Module):
         self._kl_to_inference_coeff = _coefficient("kl_to_inference_coeff", value, optional=True)
 
     # ------------------------------------------------------------------ the loss
-    def forward(self, tensordict: TensorDictBase, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:
-        """Loss terms and diagnostics of one (micro-)batch; ``tensordict`` is left unchanged."""
+    def forward(self, td: TensorDictBase, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:
+        """Loss terms and diagnostics of one (micro-)batch; ``td`` is left unchanged."""
         batch = read_grpo_batch(
-            tensordict,
+            td,
             self._tensor_keys,
             with_ref=self.kl_to_ref_coeff is not None,
             with_old=self.importance_correction is not None,

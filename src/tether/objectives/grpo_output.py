@@ -7,7 +7,10 @@ is differentiable and already reduced; every other field is a detached diagnosti
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 from tensordict import tensorclass
 
 LOSS_FIELDS = ("loss_objective", "loss_entropy", "loss_kl_to_ref", "loss_kl_to_inference")
@@ -33,16 +36,16 @@ class GRPOLossOutput:
         kl_to_inference: masked mean of the per-token KL estimate to the sampling policy.
     """
 
-    loss_objective: torch.Tensor
-    clip_fraction: torch.Tensor
-    kl_approx: torch.Tensor
-    ESS: torch.Tensor
-    entropy: torch.Tensor | None = None
-    loss_entropy: torch.Tensor | None = None
-    loss_kl_to_ref: torch.Tensor | None = None
-    kl_to_ref: torch.Tensor | None = None
-    loss_kl_to_inference: torch.Tensor | None = None
-    kl_to_inference: torch.Tensor | None = None
+    loss_objective: Tensor
+    clip_fraction: Tensor
+    kl_approx: Tensor
+    ESS: Tensor
+    entropy: Optional[Tensor] = None
+    loss_entropy: Optional[Tensor] = None
+    loss_kl_to_ref: Optional[Tensor] = None
+    kl_to_ref: Optional[Tensor] = None
+    loss_kl_to_inference: Optional[Tensor] = None
+    kl_to_inference: Optional[Tensor] = None
 
     def total_loss(self) -> torch.Tensor:
         """Sum of the ``loss_*`` terms that are present: the scalar to call ``backward`` on."""

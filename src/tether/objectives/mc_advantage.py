@@ -135,13 +135,13 @@ class MCAdvantage(nn.Module):
         self.std = std
         self.reward_to_go = bool(reward_to_go)
         self.mask_key = mask_key
-        self.in_keys = [prompt_key, rewards_key, done_key]
+        self.in_keys = [self.prompt_key, self.rewards_key, self.done_key]
         self.out_keys = [advantage_key]
         self.queues: defaultdict[str, list[TensorDictBase]] = defaultdict(list)
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Reading from a buffer changes nothing: the advantage was written by ``add``."""
-        return tensordict
+        return td
 
     def compute(self, rewards: Tensor, group_ids: Tensor, mask: Tensor | None = None) -> Tensor:
         """Advantages of a whole batch of complete trajectories in one pass.

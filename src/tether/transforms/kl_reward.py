@@ -209,7 +209,7 @@ class KLRewardTransform(TensorDictModuleBase):
         functional, self.frozen_params = _snapshot(actor, self.requires_grad)
         # Kept out of the module tree: its tensors live on the meta device and the real
         # ones are swapped in from frozen_params for each call.
-        self.__dict__["functional_actor"] = functional
+        self.__dict__["_frozen_actor"] = functional
         reads = [self.reward_key, self.action_key, self.log_prob_key, *self._actor_in_keys]
         self.in_keys = list(dict.fromkeys(unravel_key(k) for k in reads))
         writes = [self.out_key] + ([self.kl_key] if self.kl_key is not None else [])
@@ -240,20 +240,20 @@ class KLRewardTransform(TensorDictModuleBase):
         # The actor writes its intermediate outputs (e.g. loc/scale) into its input; a
         # selection keeps the live policy's entries in the rollout untouched.
         inputs = tensordict.select(*self._actor_in_keys)
-        with self.frozen_params.to_module(self.functional_actor):
-            dist = self.functional_actor.get_dist(inputs)
+        with self.frozen_params.to_module(self._frozen_actor):
+            dist = self._frozen_actor.get_dist(inputs)
             return dist.log_prob(action)
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Writes the KL-penalised reward (and optionally the log-ratio); returns the input."""
-        reward = _require(tensordict, self._resolve(tensordict, self.reward_key), "reward")
-        current = _require(tensordict, self.log_prob_key, "current policy's log-prob")
-        log_ratio = _to_reward_shape(current - self.reference_log_prob(tensordict), reward)
+        reward = _require(td, self._resolve(td, self.reward_key), "reward")
+        current = _require(td, self.log_prob_key, "current policy's log-prob")
+        log_ratio = _to_reward_shape(current - self.reference_log_prob(td), reward)
         log_ratio = log_ratio.to(reward.dtype)
-        tensordict.set(self._resolve(tensordict, self.out_key), reward - self._coef * log_ratio)
+        td.set(self._resolve(td, self.out_key), reward - self._coef * log_ratio)
         if self.kl_key is not None:
-            tensordict.set(self._resolve(tensordict, self.kl_key), log_ratio)
-        return tensordict
+            td.set(self._resolve(td, self.kl_key), log_ratio)
+        return td
 
     def extra_repr(self) -> str:
         return (
