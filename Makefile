@@ -39,7 +39,7 @@ test: install
 	$(PY) -m pytest -q
 
 bench: $(BENCH_STAMP)
-	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py; do \
+	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py; do \
 		test -f $$script && $(BENCH_PY) $$script || exit 1; \
 	done
 

@@ -144,3 +144,33 @@ def test_top_k_restricts_support():
                            pad_id=tok.pad_token_id, top_k=3, generator=torch.Generator().manual_seed(0))
     top3 = torch.topk(model(input_ids=row[None]).logits[0, -1], 3).indices
     assert set(out.tokens[:, 0].tolist()) <= set(top3.tolist())
+
+
+def test_repeated_prompts_are_prefilled_once_with_the_same_results(monkeypatch):
+    """A GRPO-shaped batch (each prompt 3 times) prefills 2 rows, not 6; decoding then runs
+    on all 6, greedy rows of one prompt agree, and sampled log-probs still equal rescoring."""
+    tok = make_tokenizer()
+    model = make_tiny_model(tok, dtype=torch.float64)
+    ids, mask, rows = prompts(tok, ["hello", "what is 2+2?"])
+    ids, mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+    rows = [r for r in rows for _ in range(3)]
+    batch_sizes = []
+    forward = model.forward
+
+    def counting_forward(*args, **kwargs):
+        batch_sizes.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting_forward)
+    greedy = sample_responses(model, ids, mask, max_new_tokens=6, eos_ids={tok.eos_token_id},
+                              pad_id=tok.pad_token_id, do_sample=False)
+    assert batch_sizes[0] == 2 and batch_sizes[1] == 6
+    for group in (slice(0, 3), slice(3, 6)):
+        assert (greedy.tokens[group] == greedy.tokens[group][0]).all()
+    sampled = sample_responses(model, ids, mask, max_new_tokens=8, eos_ids={tok.eos_token_id},
+                               pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(5))
+    for i, prompt in enumerate(rows):
+        resp = sampled.tokens[i][sampled.mask[i]]
+        logits = forward(input_ids=torch.cat([prompt, resp])[None]).logits[0, len(prompt) - 1 : -1]
+        expected = F.log_softmax(logits.double(), -1).gather(-1, resp[:, None]).squeeze(-1)
+        torch.testing.assert_close(sampled.log_probs[i][sampled.mask[i]].double(), expected, rtol=0, atol=1e-5)

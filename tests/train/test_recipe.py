@@ -92,6 +92,25 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("update", ["sync", "ema"])
+def test_moving_reference_checkpoints_and_resumes_exactly(tmp_path, update):
+    """A sync/EMA reference is saved as safetensors (state.json stays plain JSON) and an
+    interrupted run resumed from step 2 ends with the same metrics and both weight sets."""
+    kw = dict(steps=4, reference_update=update, reference_every=1, reference_alpha=0.5)
+    clean = tmp_path / "clean"
+    train(tiny_cfg(clean, **kw), progress=False)
+    cut = tmp_path / "cut"
+    assert train(tiny_cfg(cut, **kw), progress=False, stop_after=2) == {"stopped_at": 2}
+    state = json.loads((cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "state.json").read_text())
+    assert state["reference_updater"]["num_updates"] == 2 and "reference" not in state["reference_updater"]
+    train(TrainConfig.from_yaml(cut / "config.yaml"), resume=True, progress=False)
+    assert _metrics(cut) == _metrics(clean)
+    assert any(r["kl_per_seq"] != 0 for r in _metrics(clean))
+    for name in ("policy.safetensors", "reference.safetensors"):
+        a, b = (load_file(str(r / "checkpoints" / (r / "checkpoints" / "latest").read_text() / name)) for r in (clean, cut))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_gradient_accumulation_invariance(tmp_path, aggregation):
     """The step's gradient does not depend on the micro-batch size (6 rows: 6x1 vs 1x6 vs 2x3)."""
@@ -104,9 +123,11 @@ def test_gradient_accumulation_invariance(tmp_path, aggregation):
         accumulate_gradients(run, batch)
         grads.append({n: p.grad.clone() for n, p in run.models.policy.named_parameters() if p.grad is not None})
     assert grads[0] and any(g.abs().sum() > 0 for g in grads[0].values())
+    # float32 model: micro-batches of different sizes (and prompt sharing within them) sum
+    # the same terms in different orders, so allow rounding relative to each tensor's scale.
     for other in grads[1:]:
         for name, g in grads[0].items():
-            torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-7, msg=name)
+            torch.testing.assert_close(other[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)
 
 
 def test_config_errors_are_reported_together():

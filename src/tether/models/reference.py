@@ -261,19 +261,29 @@ class ReferenceUpdater:
         self.num_updates += 1
         return True
 
-    def state_dict(self) -> dict:
-        """Schedule, counters and (for sync/ema) the moved reference tensors, for exact resume."""
-        return {
+    def state_dict(self, *, with_tensors: bool = True) -> dict:
+        """Schedule, counters and (for sync/ema) the moved reference tensors, for exact resume.
+
+        ``with_tensors=False`` leaves the tensors out (plain JSON-able values only), for
+        callers that save the reference weights themselves, e.g. as safetensors.
+        """
+        state = {
             "mode": self.mode,
             "every": self.every,
             "alpha": self.alpha,
             "last_step": self.last_step,
             "num_updates": self.num_updates,
-            "reference": {name: ref.detach().clone() for name, (_, ref) in self._pairs.items()},
         }
+        if with_tensors:
+            state["reference"] = {name: ref.detach().clone() for name, (_, ref) in self._pairs.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore counters and reference tensors; the schedule must match this updater's."""
+        """Restore counters and reference tensors; the schedule must match this updater's.
+
+        A state without ``"reference"`` (``state_dict(with_tensors=False)``) restores the
+        counters only and leaves the reference tensors to the caller.
+        """
         for key in ("mode", "every", "alpha"):
             if key not in state:
                 raise KeyError(f"state lacks {key!r}; pass a dict made by ReferenceUpdater.state_dict()")
@@ -282,12 +292,13 @@ class ReferenceUpdater:
                     f"state[{key!r}] = {state[key]!r} but this updater has {key}={getattr(self, key)!r}; "
                     "build the updater with the same schedule as the one saved"
                 )
-        saved = state.get("reference", {})
-        missing = sorted(set(self._pairs) - set(saved))
-        if missing:
-            raise KeyError(f"state['reference'] lacks tensors {missing[:5]}; it was saved from another model")
-        with torch.no_grad():
-            for name, (_, ref) in self._pairs.items():
-                ref.copy_(saved[name])
+        if "reference" in state:
+            saved = state["reference"]
+            missing = sorted(set(self._pairs) - set(saved))
+            if missing:
+                raise KeyError(f"state['reference'] lacks tensors {missing[:5]}; it was saved from another model")
+            with torch.no_grad():
+                for name, (_, ref) in self._pairs.items():
+                    ref.copy_(saved[name])
         self.last_step = int(state["last_step"])
         self.num_updates = int(state["num_updates"])

@@ -11,7 +11,8 @@ one under the untruncated temperature-scaled distribution, which is what the tra
 recomputes, so importance ratios stay consistent.
 
 Rows that have emitted an end-of-sequence token are dropped from the batch (and from the
-KV cache) at once, so a batch of mixed response lengths costs close to its real tokens.
+KV cache) at once, so a batch of mixed response lengths costs close to its real tokens, and
+a prompt repeated ``G`` times (a GRPO group) is prefilled once and its cache copied.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
     return logits
 
 
+def _first_rows(inverse: Tensor, count: int) -> Tensor:
+    """Index of the first row of each of ``count`` distinct values of ``inverse`` (``long [count]``)."""
+    rows = torch.arange(inverse.numel(), device=inverse.device)
+    first = torch.full((count,), inverse.numel(), dtype=torch.long, device=inverse.device)
+    return first.scatter_reduce(0, inverse, rows, reduce="amin")
+
+
 @torch.no_grad()
 def sample_responses(
     model: nn.Module,
@@ -91,15 +99,23 @@ def sample_responses(
     eos = torch.tensor(sorted(eos_ids), device=device)
     mask = prompt_mask.long()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
+    # GRPO repeats each prompt G times: prefill each distinct prompt once and copy its cache.
+    keyed = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
+    distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+    share = distinct.shape[0] < batch
+    first = _first_rows(inverse, distinct.shape[0]) if share else None
     cache = DynamicCache()
     out = model(
-        input_ids=prompt_ids,
-        attention_mask=mask,
-        position_ids=position,
+        input_ids=prompt_ids[first] if share else prompt_ids,
+        attention_mask=mask[first] if share else mask,
+        position_ids=position[first] if share else position,
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
     )
+    logits = out.logits[inverse] if share else out.logits
+    if share:
+        cache.batch_select_indices(inverse)
     next_pos = position[:, -1:] + 1
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -107,7 +123,7 @@ def sample_responses(
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        scaled = out.logits[:, -1].float() / temperature
+        scaled = logits[:, -1].float() / temperature
         logp_all = torch.log_softmax(scaled, dim=-1)
         if do_sample:
             probs = torch.softmax(_filter_logits(scaled, top_k, top_p), dim=-1)
@@ -126,13 +142,13 @@ def sample_responses(
             cache.batch_select_indices(keep)
             alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        out = model(
+        logits = model(
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=next_pos,
             past_key_values=cache,
             use_cache=True,
-        )
+        ).logits
         next_pos = next_pos + 1
     width = int(lengths.max()) if batch else 0
     cols = torch.arange(width, device=device)

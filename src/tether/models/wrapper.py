@@ -41,7 +41,7 @@ from tether.models.batch_io import (
 )
 from tether.models.chat import tokenize_chats
 from tether.models.sampling import sample_responses
-from tether.models.scoring import score_tokens
+from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
 from tether.ops import TokenStats, mask_from_lengths
 
 INPUT_MODES = ("history", "text", "tokens")
@@ -101,6 +101,8 @@ class TransformersWrapper(TensorDictModuleBase):
         device: device the model runs on (default: where its parameters are).
         padding_side: side of the padding in padded outputs.
         token_budget: most ``rows * longest_row`` tokens in one scoring forward pass.
+        share_prefix: when rows share a prompt (GRPO groups), score each distinct prompt
+            once and the responses on top of its cache (``tether.models.shared_prefix``).
     """
 
     def __init__(
@@ -118,7 +120,8 @@ class TransformersWrapper(TensorDictModuleBase):
         chunk_size: int | None = None,
         device: torch.device | str | None = None,
         padding_side: str = "left",
-        token_budget: int = 4096,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        share_prefix: bool = True,
     ) -> None:
         super().__init__()
         if input_mode not in INPUT_MODES:
@@ -150,6 +153,7 @@ class TransformersWrapper(TensorDictModuleBase):
         self.chunk_size = chunk_size
         self.padding_side = padding_side
         self.token_budget = token_budget
+        self.share_prefix = share_prefix
         self._device = torch.device(device) if device is not None else None
         self.eos_ids, self.pad_id = self._special_ids(model, tokenizer)
         stage = "prompt" if generate else "full"
@@ -207,6 +211,7 @@ class TransformersWrapper(TensorDictModuleBase):
             chunk_size=self.chunk_size,
             token_budget=self.token_budget,
             with_entropy=with_entropy,
+            share_prefix=self.share_prefix,
         )
 
     # ---------------------------------------------------------------- encoding

@@ -288,7 +288,9 @@ class GRPOLoss(nn.Module):
         if self.entropy_bonus:
             entropy = torch.where(mask, stats.entropy.to(cur.dtype), torch.zeros_like(cur))
             out["entropy"] = mean(entropy.detach())
-            out["loss_entropy"] = -self.entropy_coeff * reduce(entropy)
+            # At coefficient 0 the entropy is a diagnostic: keeping it out of the graph lets the
+            # head's backward skip its vocabulary-wide entropy gradient.
+            out["loss_entropy"] = -self.entropy_coeff * reduce(entropy if self.entropy_coeff else entropy.detach())
         if self.kl_to_ref_coeff is not None:
             out["loss_kl_to_ref"], out["kl_to_ref"] = self._kl(cur, batch.ref_log_probs, batch, self.kl_to_ref_coeff, reduce)
         if self.kl_to_inference_coeff is not None:

@@ -31,7 +31,7 @@ class TrainConfig:
     out: str = _f("runs/train", "Run directory (config.yaml, metrics.jsonl, plots/, checkpoints/, summary.json).")
     checkpoint_every: int = _f(4, "Save a checkpoint every K steps (and at the end); 0 saves only at the end.")
     workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
-    ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one (loopback only).")
+    ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
     threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
     # --- rollout
     prompts_per_step: int = _f(12, "Distinct prompts per step.")
@@ -139,9 +139,6 @@ class TrainConfig:
         need(not (self.lora_rank and self.reference_update == "ema"),
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
-        # Ray rollout workers (tether.ray) are not part of this release yet: refuse instead of
-        # silently sampling in-process.
-        need(self.workers == 0, f"workers: Ray rollout workers are not available yet; use workers=0, got {self.workers}")
         p.extend(_task_problem(self.task))
         if p:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(p))

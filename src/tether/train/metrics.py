@@ -49,6 +49,20 @@ def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list
     return {key: (steps, [r.get(key, float("nan")) for r in records]) for key, _, _ in PLOTTED}
 
 
+_FRACTIONS = {"accuracy", "clip_fraction", "ess"}
+
+
+def _kl_bound(run_dir: Path) -> float | None:
+    """The run's ``kl_bound`` from its config.yaml, drawn on the KL plot (None if absent)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    value = (yaml.safe_load(path.read_text()) or {}).get("kl_bound")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def plot_metrics(run_dir: Path) -> list[Path]:
     """Write one PNG per curve of ``PLOTTED`` plus an overview grid; return the paths."""
     import matplotlib
@@ -62,6 +76,7 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     curves = curve_data(records)
+    kl_bound = _kl_bound(run_dir)
     written: list[Path] = []
     cols = 3
     rows = math.ceil(len(PLOTTED) / cols)
@@ -75,6 +90,13 @@ def plot_metrics(run_dir: Path) -> list[Path]:
             target.set_xlabel("step")
             target.set_ylabel(ylabel)
             target.grid(alpha=0.3)
+            # Offsets turn an ESS of 1 - 1e-7 into "1e-6 + 1" tick labels; fractions get [0, 1].
+            target.ticklabel_format(axis="y", useOffset=False)
+            if key in _FRACTIONS:
+                target.set_ylim(-0.02, 1.02)
+            if key == "kl_per_seq" and kl_bound is not None:
+                target.axhline(kl_bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
+                target.legend(loc="upper left", fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{key}.png"
         fig.savefig(path, dpi=90)

@@ -35,7 +35,7 @@ from tether.train.checkpoint import latest_checkpoint, load_checkpoint, save_che
 from tether.train.config import TrainConfig
 from tether.train.evaluate import evaluate
 from tether.train.metrics import MetricsLog, plot_metrics
-from tether.train.setup import build_models
+from tether.train.setup import build_models, reference_scorer
 from tether.train.tasks import Problem, Task, load_task
 
 
@@ -62,6 +62,7 @@ class Run:
     ref_updater: ReferenceUpdater | None
     generator: torch.Generator
     metrics: MetricsLog
+    workers: Any = None  # tether.ray.RolloutPool when cfg.workers > 0, else rollouts run in-process
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -82,10 +83,7 @@ def build_run(cfg: TrainConfig) -> Run:
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
     )
     actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
-    ref_scorer = TransformersWrapper(
-        models.reference, tok, input_mode="tokens", generate=False,
-        temperature=cfg.temperature, log_probs_key="ref_log_probs",
-    )
+    ref_scorer = reference_scorer(models, cfg)
     clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
     loss = GRPOLoss(
         actor, clip_epsilon=clip, entropy_bonus=True, entropy_coeff=cfg.entropy_coeff,
@@ -106,8 +104,14 @@ def build_run(cfg: TrainConfig) -> Run:
         alpha = cfg.reference_alpha if cfg.reference_update == "ema" else None
         ref_updater = ReferenceUpdater(models.policy, models.movable_reference, mode=cfg.reference_update,
                                        every=cfg.reference_every, alpha=alpha)
+    workers = None
+    if cfg.workers > 0:
+        from tether.train.distributed import start_workers  # Ray is optional: imported only when asked for
+
+        workers = start_workers(cfg)
     return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
-               loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"))
+               loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
+               workers=workers)
 
 
 # ------------------------------------------------------------------------------ one step
@@ -117,6 +121,11 @@ def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
     first = step * cfg.prompts_per_step
     problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in range(cfg.prompts_per_step)]
     repeated = [p for p in problems for _ in range(cfg.group_size)]
+    if run.workers is not None:
+        # Ray workers sample whole groups with the learner's current weights, and score the
+        # reference log-probs through the shared ReferenceService while they are at it.
+        chats = [p.chat for p in repeated]
+        return run.workers.rollout(run.models.policy, chats, step, reference_updater=run.ref_updater), repeated
     batch = chat_batch([p.chat for p in repeated], key=("history", "prompt"))
     with torch.no_grad():
         run.sampler(batch)
@@ -151,8 +160,11 @@ def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
     cfg = run.cfg
     tokens, attn = batch["tokens", "full"], batch["masks", "all_attention_mask"]
     mask = batch["masks", "all_assistant_mask"]
-    with torch.no_grad():
-        ref_lp = run.ref_scorer.score(tokens, attn).log_probs.to(tokens.device)
+    if run.workers is not None:
+        ref_lp = batch["ref_log_probs", "full"]  # scored by the ReferenceService during the rollout
+    else:
+        with torch.no_grad():
+            ref_lp = run.ref_scorer.score(tokens, attn).log_probs.to(tokens.device)
     batch.set(("ref_log_probs", "full"), ref_lp)
     log_ratio = (batch["log_probs", "full"] - ref_lp) * mask
     groups = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size)
@@ -237,7 +249,8 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "data_cursor": step * run.cfg.prompts_per_step,
         "controller": run.controller.state_dict(),
-        "reference_updater": run.ref_updater.state_dict() if run.ref_updater else None,
+        # The moved reference weights go to reference.safetensors, not into state.json.
+        "reference_updater": run.ref_updater.state_dict(with_tensors=False) if run.ref_updater else None,
         **extra,
     }
 
@@ -271,36 +284,42 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     evaluation (used to simulate an interrupted run in tests).
     """
     run = build_run(cfg)
-    wall = time.perf_counter()
-    if resume:
-        start, state = _restore(run)
-        before = state["eval_before"]
-    else:
-        (run.dir / "config.yaml").write_text(cfg.to_yaml())
-        run.metrics.path.write_text("")
-        before = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
-                          max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                          with_kl=False).as_dict()
-        start = 0
-    extra = {"eval_before": before}
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
-               disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        record = train_step(run, step)
-        run.metrics.append(record)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
-                        kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
-        done = step + 1
-        if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            _save(run, done, extra)
-        if stop_after is not None and done - start >= stop_after and done < cfg.steps:
-            return {"stopped_at": done}
-    after = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
-                     max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature).as_dict()
-    summary = _summary(run, before, after, time.perf_counter() - wall)
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot_metrics(run.dir)
-    return summary
+    try:
+        wall = time.perf_counter()
+        if resume:
+            start, state = _restore(run)
+            before = state["eval_before"]
+        else:
+            (run.dir / "config.yaml").write_text(cfg.to_yaml())
+            run.metrics.path.write_text("")
+            before = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
+                              max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
+                              with_kl=False).as_dict()
+            start = 0
+        extra = {"eval_before": before}
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
+                   disable=not progress, dynamic_ncols=True)
+        for step in bar:
+            record = train_step(run, step)
+            run.metrics.append(record)
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
+                            kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
+            done = step + 1
+            if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                _save(run, done, extra)
+            if stop_after is not None and done - start >= stop_after and done < cfg.steps:
+                return {"stopped_at": done}
+        if run.workers is not None:
+            run.workers.shutdown()  # the final evaluation runs in-process; free the Ray actors first
+        after = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
+                         max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature).as_dict()
+        summary = _summary(run, before, after, time.perf_counter() - wall)
+        (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        plot_metrics(run.dir)
+        return summary
+    finally:
+        if run.workers is not None:
+            run.workers.shutdown()  # also when a step raised: the actors hold the cluster's CPUs
 
 
 def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:

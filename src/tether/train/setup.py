@@ -1,4 +1,5 @@
-"""Model set-up for the recipe: policy (full or LoRA), reference, tokenizer.
+"""Model set-up for the recipe: policy (full or LoRA), reference, tokenizer, and the
+reference's scoring wrapper (built the same way in-process and in a Ray reference service).
 
 With LoRA the reference is the policy with its adapter disabled (no second copy of the
 weights) unless the reference has to move (``sync``), which needs its own frozen copy of the
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tether.models import adapter_disabled, frozen_copy, load_default_model
+from tether.models import TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.train.config import TrainConfig
 
@@ -70,3 +71,9 @@ def build_models(cfg: TrainConfig) -> Models:
         return Models(policy, adapter_disabled(policy), tokenizer, None)
     reference = frozen_copy(policy)
     return Models(policy, reference, tokenizer, reference)
+
+
+def reference_scorer(models: Models, cfg: TrainConfig) -> TransformersWrapper:
+    """Scoring wrapper of ``models.reference``: log-probs under ``ref_log_probs`` at the sampling temperature."""
+    return TransformersWrapper(models.reference, models.tokenizer, input_mode="tokens", generate=False,
+                               temperature=cfg.temperature, log_probs_key="ref_log_probs")

@@ -1,0 +1,562 @@
+"""One GRPO optimizer step end to end: ``tether train``'s step against TRL's ``GRPOTrainer``.
+
+What is timed: a whole optimizer step of GRPO with a KL leash on the embedded
+SmolLM2-135M-Instruct (float32, CPU) and the default ``arithmetic`` task: sample
+``group`` answers for each of ``prompts`` problems, reward them, score the reference,
+compute group advantages, run the loss forward and backward micro-batch by micro-batch,
+clip the gradient norm and step AdamW. tether runs ``tether.train.recipe.train_step`` on a
+``build_run(TrainConfig(...))``; TRL runs ``GRPOTrainer.train()`` and only the span from
+its ``on_step_begin`` to its ``on_step_end`` callback counts (the trainer runs in a worker
+thread that the timed call releases one step at a time, so ``_common``'s fresh-process
+timing and memory code serves both). One untimed warm-up step, then the median of K steps.
+
+The same for both: the problems (tether's task stream for ``seed`` 0 with its held-out set
+removed, the same order; TRL reads them unshuffled from an in-memory ``datasets.Dataset``
+of chats), group size, completion limit, temperature 1, learning rate, KL coefficient
+(``beta``) with a k3 estimator times the importance ratio, clip epsilon 0.2, token-mean
+loss over the whole step (TRL's ``dapo``), z-scored group advantages, no entropy bonus,
+gradient-norm clip 1.0, AdamW without weight decay at a constant rate, one optimizer step
+per generation round (``per_device_train_batch_size`` x ``gradient_accumulation_steps`` =
+prompts x group, micro-batches of tether's ``micro_batch_size`` or the largest divisor of
+the batch below it), no old-policy forward pass (one update per round), float32, no
+gradient checkpointing, the same torch thread count, the same reward function. Rows:
+LoRA with tether's defaults (rank 16, alpha 32, all projections; TRL gets the same
+``peft.LoraConfig`` and, like tether, uses the adapter-disabled model as the reference) and
+full fine-tuning (tether's ``frozen_copy`` reference; TRL loads a second copy of the
+weights from the model's local directory).
+
+Where the two still differ (cannot be removed without changing either library):
+
+- Sampling: tether's own KV-cache decode loop records each token's log-prob as it samples
+  and drops finished rows; TRL calls ``model.generate`` and the loss recomputes log-probs.
+- Completion lengths: by default both are forced to exactly ``max_new_tokens`` tokens so
+  that both process the same token count. TRL gets ``min_new_tokens`` (end-of-turn is
+  masked out of the sampling distribution); tether has no such option, so its sampler is
+  given an end-of-sequence id set that no token matches (``sampler.eos_ids = {-1}``): it
+  may sample ``<|im_end|>`` and carry on. ``--natural-lengths`` lets both stop at
+  end-of-turn; the mean completion length per tool is printed either way.
+- Scoring: tether scores padding-free in length-sorted passes and runs its chunked output
+  head at every position, prompt included; TRL pads each micro-batch and its fused head
+  runs only at completion positions. Both compute per-token entropy in the loss (logged,
+  coefficient 0).
+- Optimizer: tether's ``torch.optim.AdamW`` defaults; TRL's ``optim="adamw_torch"``.
+- Mode: tether keeps the model in eval mode, TRL in train mode with dropout disabled
+  (SmolLM2 has no dropout, so the arithmetic is the same).
+- KL gradient: tether's k3 term with importance correction and TRL's bias-corrected k3 are
+  the same value; their autograd graphs differ slightly.
+
+Reported per row: median step time (wall; CPU seconds of all threads beside it), tokens
+per step and tokens/s (defined below), mean completion length, peak resident set of the
+process during the timed steps (``VmHWM`` after a reset at the end of the warm-up) and over
+its whole life (``ru_maxrss``, including model loading), and the tether/TRL ratios with the
+targets: tether tokens/s >= 1.2x TRL's and peak memory <= 0.7x TRL's. A second table splits
+each step into phases (sampling; rewards + reference log-probs + advantages; loss forward
+and backward; gradient clip + optimizer step + the rest).
+
+Default size: 4 prompts x 4 answers x 16 new tokens, not ``TrainConfig``'s 12 x 6 x 20. At
+the training defaults one tether LoRA step alone took 99 s on the 2-core box (1 thread,
+CPU shared), so the four variants x (warm-up + 3 steps) would take about half an hour;
+``--prompts 12 --group 6 --max-new-tokens 20`` measures them anyway.
+
+Threads: every variant sets the same torch thread count (``--threads``, default 2). On a
+CPU that other jobs share, two OpenMP threads wait on each other at every barrier and a
+step can take 10-20x longer from one run to the next; ``--threads 1`` is the stable
+choice there (as in ``scoring.py``).
+
+    .venv-bench/bin/python benchmarks/e2e_grpo.py              # both tools, both modes (~10 min)
+    .venv-bench/bin/python benchmarks/e2e_grpo.py --quick      # 2 x 2 x 4 tokens, 1 timed step
+    .venv-bench/bin/python benchmarks/e2e_grpo.py --no-trl     # tether rows only
+    .venv/bin/python benchmarks/e2e_grpo.py                    # tether only (no TRL there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+# Everything is local: the embedded model is a directory on disk and nothing is downloaded.
+for _flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_flag, "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
+
+FULL = {"prompts": 4, "group": 4, "max_new_tokens": 16}
+QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4}
+TOKENS_TARGET, MEMORY_TARGET = 1.2, 0.7
+MODES = {"LoRA": True, "full": False}
+PHASES = ("sampling", "scoring", "loss", "optimizer")
+PHASE_TITLES = {
+    "sampling": "sampling",
+    "scoring": "rewards + reference + advantages",
+    "loss": "loss forward + backward",
+    "optimizer": "clip + optimizer step + rest",
+}
+TOKENS_DEFINITION = (
+    "tokens/s = non-pad prompt + completion tokens of the step's prompts x group sequences, "
+    "divided by the step's wall time"
+)
+
+
+# ------------------------------------------------------------------ shared workload
+def train_config(work: dict, out: str = "runs/bench-e2e"):
+    """tether's ``TrainConfig`` for the workload (everything else at its defaults)."""
+    from tether.train.config import TrainConfig
+
+    base = TrainConfig()
+    values = {
+        "prompts_per_step": work["prompts"],
+        "group_size": work["group"],
+        "max_new_tokens": work["max_new_tokens"],
+        "micro_batch_size": micro_batch(work["prompts"] * work["group"], base.micro_batch_size),
+        "threads": work["threads"],
+        "steps": work["steps"],
+        "out": out,
+    }
+    if not work["lora"]:
+        values["lora_rank"] = 0
+    return base.override(values).validate()
+
+
+def micro_batch(batch: int, limit: int) -> int:
+    """The largest divisor of ``batch`` not above ``limit``: TRL needs whole micro-batches."""
+    return max(d for d in range(1, min(batch, limit) + 1) if batch % d == 0)
+
+
+def step_problems(cfg, n_steps: int) -> list:
+    """The problems of steps ``0 .. n_steps - 1``, as ``tether.train.recipe.rollout`` draws them."""
+    from tether.train.tasks import load_task
+
+    task = load_task(cfg.task)
+    excluded = {p.key for p in task.eval_set(cfg.eval_size)}
+    return [task.train_problem(cfg.seed, i, excluded) for i in range(n_steps * cfg.prompts_per_step)]
+
+
+class PhaseClock:
+    """Wall seconds per phase within one step; ``wrap`` times every call of a function."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.last: dict[str, object] = {}
+
+    def reset(self) -> None:
+        self.seconds, self.last = {}, {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.last[name] = result
+            return result
+
+        return timed
+
+
+def _memory() -> dict:
+    """Peak resident set since the last reset (``VmHWM``) and over the process life."""
+    import resource
+
+    hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    return {"hwm": hwm, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _append(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# ------------------------------------------------------------------ tether
+def setup_tether(work: dict, info_path: str):
+    """One ``train_step`` per call on ``build_run(train_config(work))``."""
+    import torch
+
+    from tether.train import recipe
+
+    folder = tempfile.TemporaryDirectory()
+    run = recipe.build_run(train_config(work, out=folder.name))
+    if not work["natural_lengths"]:
+        run.sampler.eos_ids = {-1}  # no token id matches: every answer runs to max_new_tokens
+    clock = PhaseClock()
+    # train_step looks these up in the module at call time, so wrapping them times each phase.
+    recipe.rollout = clock.wrap("sampling", recipe.rollout)
+    recipe.score_rewards = clock.wrap("rewards", recipe.score_rewards)
+    recipe.add_advantages = clock.wrap("reference", recipe.add_advantages)
+    recipe.accumulate_gradients = clock.wrap("loss", recipe.accumulate_gradients)
+    counter = itertools.count()
+
+    def step() -> None:
+        clock.reset()
+        start = time.perf_counter()
+        recipe.train_step(run, next(counter))
+        wall = time.perf_counter() - start
+        batch = clock.last["sampling"][0]
+        seconds = clock.seconds
+        phases = {
+            "sampling": seconds["sampling"],
+            "scoring": seconds["rewards"] + seconds["reference"],
+            "loss": seconds["loss"],
+        }
+        phases["optimizer"] = wall - sum(phases.values())
+        completion = batch["masks", "all_assistant_mask"].sum(-1).float()
+        _append(info_path, {
+            "tokens": int(batch["masks", "all_attention_mask"].sum()),
+            "mean_completion": float(completion.mean()),
+            "phases": phases,
+            "threads": torch.get_num_threads(),
+            **_memory(),
+        })
+
+    step.keep_alive = folder  # the run directory lives as long as the callable
+    return step
+
+
+# ------------------------------------------------------------------ TRL
+class _StopTraining(Exception):
+    """Raised in the trainer thread to end ``train()`` at interpreter exit."""
+
+
+def _trl_args(cfg, work: dict, output_dir: str):
+    from trl import GRPOConfig
+
+    batch = cfg.prompts_per_step * cfg.group_size
+    generation = None if work["natural_lengths"] else {"min_new_tokens": cfg.max_new_tokens}
+    return GRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.seed, max_steps=work["steps"],
+        # no logging, saving, evaluation or progress bars
+        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        log_completions=False, dataloader_num_workers=0, shuffle_dataset=False,
+        # tether's optimizer settings
+        learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip,
+        # one generation round of prompts x group per optimizer step, in tether's micro-batches
+        per_device_train_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=batch // cfg.micro_batch_size,
+        num_generations=cfg.group_size, num_iterations=1, use_vllm=False,
+        max_completion_length=cfg.max_new_tokens, generation_kwargs=generation, temperature=cfg.temperature,
+        # the loss: clipped ratio, k3 KL with the importance ratio, token mean over the step
+        beta=cfg.kl_coef, epsilon=cfg.clip_epsilon, loss_type="dapo", scale_rewards="group",
+        activation_checkpointing=work["trl_gradient_checkpointing"], disable_dropout=True,
+    )
+
+
+def _trl_reward(cfg, problems: list):
+    """The task's reward as a TRL reward function; rows carry their problem's index."""
+    from tether.train.tasks import load_task
+
+    task = load_task(cfg.task)
+
+    def arithmetic_reward(completions, index, **_):
+        return [task.reward(c[-1]["content"], problems[i]) for c, i in zip(completions, index)]
+
+    return arithmetic_reward
+
+
+def _trl_lora(cfg):
+    """The ``peft.LoraConfig`` tether's ``build_models`` uses for the same config."""
+    from peft import LoraConfig
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets)
+
+
+def _trl_trainer_class(clock: PhaseClock, counts: dict):
+    """``GRPOTrainer`` with its own methods timed and the step's tokens counted."""
+    from trl import GRPOTrainer
+
+    class Trainer(GRPOTrainer):
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            out = super()._generate(prompts)
+            clock.seconds["sampling"] = clock.seconds.get("sampling", 0.0) + time.perf_counter() - start
+            prompt_ids, completion_ids = out[0], out[1]
+            lengths = [len(c) for c in completion_ids]
+            counts.update(tokens=sum(map(len, prompt_ids)) + sum(lengths), mean_completion=sum(lengths) / len(lengths))
+            return out
+
+    Trainer._generate_and_score_completions = clock.wrap("generate_and_score", Trainer._generate_and_score_completions)
+    Trainer.training_step = clock.wrap("training_step", Trainer.training_step)
+    return Trainer
+
+
+def _trl_gate(clock: PhaseClock):
+    """A callback that holds the trainer at each step's start until the timed call lets it go."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Gate(TrainerCallback):
+        def __init__(self) -> None:
+            self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
+            self.started, self.wall, self.threads, self.stop = 0.0, 0.0, 0, False
+            self.failure: BaseException | None = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.go.acquire()
+            if self.stop:
+                raise _StopTraining
+            clock.reset()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.wall = time.perf_counter() - self.started
+            self.threads = torch.get_num_threads()  # as seen by the thread that trains
+            self.done.release()
+
+    return Gate()
+
+
+def _train_in_thread(trainer, gate, threads: int) -> None:
+    """Start ``trainer.train()`` in a daemon thread; at exit, stop it and wait for it."""
+    import torch
+
+    def train() -> None:
+        torch.set_num_threads(threads)
+        try:
+            trainer.train()
+        except _StopTraining:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the timed call, which re-raises
+            gate.failure = exc
+            traceback.print_exc()
+            gate.done.release()
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+
+    def finish() -> None:
+        # A thread still inside torch when the interpreter exits aborts the process: let the
+        # trainer finish its last step's bookkeeping, or stop it where it waits.
+        gate.stop = True
+        gate.go.release()
+        worker.join(timeout=600)
+
+    atexit.register(finish)
+
+
+def setup_trl(work: dict, info_path: str):
+    """``GRPOTrainer.train()`` in a worker thread; each call lets exactly one step run."""
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback
+
+    from tether.models import load_default_model
+
+    torch.set_num_threads(work["threads"])
+    cfg = train_config(work)
+    problems = step_problems(cfg, work["steps"])
+    dataset = Dataset.from_list([{"prompt": p.chat, "index": i} for i, p in enumerate(problems)])
+    clock, counts = PhaseClock(), {}
+    gate = _trl_gate(clock)
+    output_dir = tempfile.TemporaryDirectory()
+    model, tokenizer = load_default_model()
+    trainer = _trl_trainer_class(clock, counts)(
+        model=model, reward_funcs=_trl_reward(cfg, problems), args=_trl_args(cfg, work, output_dir.name),
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[gate],
+        peft_config=_trl_lora(cfg) if work["lora"] else None,
+    )
+    # The end-of-training summary would be printed from the worker thread into the line on which
+    # the benchmark child reports its result.
+    trainer.remove_callback(PrinterCallback)
+    _train_in_thread(trainer, gate, work["threads"])
+
+    def step() -> None:
+        gate.go.release()
+        gate.done.acquire()
+        if gate.failure is not None:
+            exc = gate.failure
+            raise RuntimeError(f"TRL training failed: {type(exc).__name__}: {exc}") from exc
+        seconds = clock.seconds
+        phases = {
+            "sampling": seconds["sampling"],
+            "scoring": seconds["generate_and_score"] - seconds["sampling"],
+            "loss": seconds["training_step"] - seconds["generate_and_score"],
+        }
+        phases["optimizer"] = gate.wall - sum(phases.values())
+        _append(info_path, {**counts, "phases": phases, "threads": gate.threads, **_memory()})
+
+    step.keep_alive = output_dir  # the trainer's output directory lives as long as the callable
+    return step
+
+
+# ------------------------------------------------------------------ driver
+def trl_problem() -> str | None:
+    """Why TRL cannot run in this environment, or None."""
+    missing = [name for name in ("trl", "datasets", "peft") if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"not installed: {', '.join(missing)} (run with .venv-bench/bin/python)"
+    return None
+
+
+def measure(tool: str, work: dict, args) -> dict:
+    """One (tool, mode) in a fresh process: timing from ``_common`` plus the logged step records."""
+    setup = {"tether": "setup_tether", "TRL": "setup_trl"}[tool]
+    with tempfile.TemporaryDirectory() as folder:
+        info_path = os.path.join(folder, "steps.jsonl")
+        try:
+            m = measure_in_subprocess(__file__, setup, {"work": work, "info_path": info_path},
+                                      repeats=args.steps, warmup=args.warmup, timeout_s=args.timeout)
+        except Exception as exc:  # noqa: BLE001 - reported in the table instead of aborting the run
+            return {"error": _error_line(exc), "detail": str(exc)}
+        with open(info_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    timed = records[args.warmup:]
+    return {"m": m, "records": timed}
+
+
+def _error_line(exc: Exception) -> str:
+    """The last exception line of a failed child's stderr (or the exception itself)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    return (errors[-1] if errors else lines[-1] if lines else type(exc).__name__)[:300]
+
+
+def summarise(result: dict) -> dict:
+    m, records = result["m"], result["records"]
+    tokens = statistics.median(r["tokens"] for r in records)
+    return {
+        "wall": m.median_s,
+        "times": m.times_s,
+        "cpu": m.cpu_median_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / m.median_s,
+        "completion": statistics.mean(r["mean_completion"] for r in records),
+        "peak": records[-1]["hwm"],
+        "lifetime": records[-1]["ru_maxrss"],
+        "phases": {p: statistics.median(r["phases"][p] for r in records) for p in PHASES},
+        "threads": sorted({r["threads"] for r in records}),
+    }
+
+
+def _verdict(ratio: float, target: float, higher_is_better: bool) -> str:
+    met = ratio >= target if higher_is_better else ratio <= target
+    return f"{'met' if met else 'missed'} ({'>=' if higher_is_better else '<='} {target}x)"
+
+
+def main_table(results: dict) -> str:
+    rows = []
+    for mode in MODES:
+        ours, theirs = results.get(("tether", mode)), results.get(("TRL", mode))
+        for tool, result in (("tether", ours), ("TRL", theirs)):
+            if result is None:
+                continue
+            if "error" in result:
+                rows.append([mode, tool, f"failed: {result['error']}"] + [""] * 9)
+                continue
+            s = summarise(result)
+            row = [mode, tool, f"{s['wall']:.2f}", " ".join(f"{t:.2f}" for t in s["times"]), f"{s['cpu']:.2f}",
+                   f"{s['tokens']:.0f}", f"{s['completion']:.1f}", f"{s['tokens_per_s']:.1f}", mib(s["peak"]),
+                   mib(s["lifetime"])]
+            if tool == "tether" and theirs is not None and "error" not in theirs:
+                base = summarise(theirs)
+                t_ratio = s["tokens_per_s"] / base["tokens_per_s"]
+                m_ratio = s["peak"] / base["peak"]
+                row += [f"{t_ratio:.2f}x {_verdict(t_ratio, TOKENS_TARGET, True)}",
+                        f"{m_ratio:.2f}x {_verdict(m_ratio, MEMORY_TARGET, False)}"]
+            else:
+                row += ["", ""]
+            rows.append(row)
+    headers = ["mode", "tool", "median step (s)", "step times (s)", "median CPU (s)", "tokens/step",
+               "mean completion (tokens)", "tokens/s", "peak RSS, timed steps (MiB)", "peak RSS, process life (MiB)",
+               "tokens/s tether/TRL", "peak RSS tether/TRL"]
+    return markdown_table(headers, rows)
+
+
+def phase_table(results: dict) -> str:
+    rows = []
+    for (tool, mode), result in results.items():
+        if "error" in result:
+            continue
+        s = summarise(result)
+        total = sum(s["phases"].values())
+        rows.append([mode, tool] + [f"{s['phases'][p]:.2f} ({100 * s['phases'][p] / total:.0f}%)" for p in PHASES])
+    return markdown_table(["mode", "tool"] + [f"{PHASE_TITLES[p]} (s)" for p in PHASES], rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 prompts x 2 answers x 4 tokens, 1 timed step")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per variant (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps per variant")
+    parser.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default {FULL['prompts']})")
+    parser.add_argument("--group", type=int, default=None, help=f"answers per prompt (default {FULL['group']})")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"completion limit (default {FULL['max_new_tokens']})")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every variant")
+    parser.add_argument("--no-trl", action="store_true", help="tether rows only")
+    parser.add_argument("--natural-lengths", action="store_true",
+                        help="let answers end at end-of-turn instead of forcing max-new-tokens tokens")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="TRL with gradient checkpointing (its GRPOConfig default; tether has none)")
+    parser.add_argument("--modes", default="LoRA,full", help="comma-separated subset of LoRA,full")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a variant's process is killed")
+    args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (1 if args.quick else 3)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown or args.steps < 1 or args.warmup < 0:
+        parser.error(f"--modes takes a subset of {sorted(MODES)} (got {unknown}); --steps >= 1; --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> None:
+    import torch
+
+    args = parse_args(argv)
+    size = QUICK if args.quick else FULL
+    work = {
+        "prompts": args.prompts or size["prompts"],
+        "group": args.group or size["group"],
+        "max_new_tokens": args.max_new_tokens or size["max_new_tokens"],
+        "threads": args.threads,
+        "steps": args.warmup + args.steps,
+        "natural_lengths": args.natural_lengths,
+        "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+    }
+    cfg = train_config({**work, "lora": True})
+    print(
+        f"GRPO optimizer step end to end, SmolLM2-135M-Instruct float32 on CPU, task {cfg.task}: "
+        f"{work['prompts']} prompts x {work['group']} answers, max {work['max_new_tokens']} new tokens "
+        f"({'natural lengths' if work['natural_lengths'] else 'lengths forced to the limit'}), micro-batch "
+        f"{cfg.micro_batch_size}, lr {cfg.learning_rate}, beta {cfg.kl_coef}, temperature {cfg.temperature}; "
+        f"torch {torch.__version__}, {args.threads} thread(s); median of {args.steps} steps after {args.warmup} warm-up\n"
+    )
+    started = time.perf_counter()
+    why_not = None if args.no_trl else trl_problem()
+    results = {}
+    for mode in args.modes:
+        results[("tether", mode)] = measure("tether", {**work, "lora": MODES[mode]}, args)
+        if args.no_trl:
+            continue
+        trl = {"error": why_not, "detail": ""} if why_not else measure("TRL", {**work, "lora": MODES[mode]}, args)
+        results[("TRL", mode)] = trl
+    print(main_table(results))
+    print(f"\n{TOKENS_DEFINITION}. Peak RSS: the process's resident-set high-water mark over the timed "
+          "steps (reset after the warm-up) and over its whole life (model loading included). Targets: "
+          f"tether tokens/s >= {TOKENS_TARGET}x TRL, peak RSS (timed steps) <= {MEMORY_TARGET}x TRL.")
+    print("\nPhases (median seconds per step, share of the step):\n")
+    print(phase_table(results))
+    threads = sorted({t for r in results.values() if "error" not in r for t in summarise(r)["threads"]})
+    print(f"\ntorch threads seen inside the steps: {threads}; whole run {time.perf_counter() - started:.0f} s")
+    for (tool, mode), result in results.items():
+        if result.get("detail"):
+            print(f"\n{tool} ({mode}) failed:\n{result['detail'][-3000:]}")
+
+
+if __name__ == "__main__":
+    main()

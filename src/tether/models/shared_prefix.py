@@ -1,0 +1,226 @@
+"""Scoring rows that share a prompt: each distinct prefix goes through the decoder once.
+
+GRPO scores ``G`` completions of every prompt, and the prompt (with a chat template's
+system turn) is often longer than the completion: scoring every row from scratch spends
+most of its FLOPs recomputing the same prompt ``G`` times, forward and backward. Here the
+batch's columns are cut at a width ``P`` chosen to minimise the decoder's token count:
+
+1. the distinct rows of ``tokens[:, :P]`` (left-padded prompts) run through the decoder
+   once, with gradients when grad mode is on, keeping their key/value cache;
+2. each row's suffix ``tokens[:, P:]`` (its right-padded response) runs on top of its
+   prefix's cache, in length-sorted micro-batches under a token budget;
+3. the prediction of token ``P`` comes from the prefix's last hidden state, the rest from
+   the suffix's hidden states, and the output head is applied in chunks as usual.
+
+The result equals plain scoring up to float rounding (different batch shapes take
+different matmul blockings), and gradients accumulate into the shared prefix once per use,
+which is the exact chain rule. The split is only used when every row has a real token at
+column ``P - 1`` (so token ``P`` has a context) and the model's cache is a plain
+``DynamicCache``; otherwise ``plan_prefix_split`` returns None and callers score normally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from tether.ops import TokenStats, token_stats_from_hidden
+
+
+@dataclass(frozen=True)
+class PrefixSplit:
+    """Where to cut a ``[B, T]`` batch and which rows share each prefix.
+
+    Attributes:
+        width: ``P``, the number of prefix columns (``1 <= P < T``).
+        representatives: ``long [U]``, one row holding each distinct prefix.
+        inverse: ``long [B]``, the distinct prefix (index into ``representatives``) of each row.
+        tokens_saved: decoder tokens the split saves over plain scoring.
+    """
+
+    width: int
+    representatives: Tensor
+    inverse: Tensor
+    tokens_saved: int
+
+
+def plan_prefix_split(tokens: Tensor, attention_mask: Tensor, *, min_saving: float = 0.2) -> PrefixSplit | None:
+    """The cut that minimises decoder tokens, or None when it saves under ``min_saving``.
+
+    Args:
+        tokens: ``long [B, T]``.
+        attention_mask: ``bool [B, T]``, one contiguous run of valid tokens per row.
+        min_saving: the fraction of the batch's valid tokens a split must save to be used.
+    """
+    mask = attention_mask.bool()
+    batch, width = tokens.shape
+    if batch < 2 or width < 2:
+        return None
+    keyed = tokens.masked_fill(~mask, -1)
+    valid = mask.long()
+    total = int(valid.sum())
+    # suffix_tokens[P] = valid tokens in columns >= P, summed over rows.
+    suffix_tokens = valid.sum(0).flip(0).cumsum(0).flip(0).tolist() + [0]
+    group = torch.zeros(batch, dtype=torch.long, device=tokens.device)
+    best: tuple[int, int, Tensor] | None = None  # (cost, P, group ids)
+    every_row_valid = mask.all(0).tolist()
+    for col in range(width - 1):
+        pair = torch.stack([group, keyed[:, col]], dim=1)
+        _, group = torch.unique(pair, dim=0, return_inverse=True)
+        if int(group.max()) + 1 == batch:
+            break  # every row is distinct from here on: longer cuts cannot save anything
+        cut = col + 1
+        if not every_row_valid[col]:
+            continue
+        reps = _first_of_each(group)
+        cost = int(valid[reps, :cut].sum()) + suffix_tokens[cut]
+        if best is None or cost < best[0]:
+            best = (cost, cut, group.clone())
+    if best is None or total - best[0] < min_saving * total:
+        return None
+    cost, cut, group = best
+    return PrefixSplit(width=cut, representatives=_first_of_each(group), inverse=group, tokens_saved=total - cost)
+
+
+def _first_of_each(group: Tensor) -> Tensor:
+    """Index of the first row of each group id ``0..U-1`` (``long [U]``)."""
+    count = int(group.max()) + 1
+    rows = torch.arange(group.numel(), device=group.device)
+    first = torch.full((count,), group.numel(), dtype=torch.long, device=group.device)
+    return first.scatter_reduce(0, group, rows, reduce="amin")
+
+
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _cache_supported(cache) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def score_with_shared_prefix(
+    decoder: nn.Module,
+    head: nn.Module,
+    tokens: Tensor,
+    attention_mask: Tensor,
+    split: PrefixSplit,
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    token_budget: int,
+    with_entropy: bool,
+) -> TokenStats | None:
+    """Per-token stats of ``tokens [B, T]`` scored with ``split`` (see module doc).
+
+    Returns None when the decoder's cache is not a plain ``DynamicCache`` (sliding-window
+    or hybrid layers), in which case the caller must score without sharing.
+    """
+    from transformers import DynamicCache
+
+    batch, width = tokens.shape
+    device = head.weight.device
+    mask = attention_mask.bool()
+    cut = split.width
+    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+    bias = getattr(head, "bias", None)
+
+    def stats(hidden: Tensor, labels: Tensor) -> TokenStats:
+        return token_stats_from_hidden(hidden, head.weight, labels, temperature=temperature,
+                                       lm_head_bias=bias, with_entropy=with_entropy, **kwargs)
+
+    # 1. Distinct prefixes, each length group unpadded (a fully padded query row makes some
+    # attention kernels return NaN, whose gradient would leak into real keys), then
+    # left-padded with zeros to width P; the pad keys are masked for every later query.
+    reps = split.representatives
+    prefix_ids = tokens[reps, :cut].masked_fill(~mask[reps, :cut], 0)
+    prefix_mask = mask[reps, :cut]
+    prefix_len = prefix_mask.sum(-1)
+    hidden_parts: list[Tensor] = []
+    kv_parts: list[list[tuple[Tensor, Tensor]]] = []
+    order: list[Tensor] = []
+    for length in sorted(set(prefix_len.tolist())):
+        same = (prefix_len == length).nonzero().flatten()
+        for begin in range(0, same.numel(), max(1, token_budget // length)):
+            chunk = same[begin : begin + max(1, token_budget // length)]
+            cache = DynamicCache()
+            out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
+            if not _cache_supported(cache):
+                return None
+            pad = cut - length
+            hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
+            kv_parts.append([(F.pad(layer.keys, (0, 0, pad, 0)), F.pad(layer.values, (0, 0, pad, 0)))
+                             for layer in cache.layers])
+            order.append(chunk)
+    back = torch.argsort(torch.cat(order))  # chunk order -> representative order
+    prefix_hidden = torch.cat(hidden_parts)[back]  # [U, P, H]
+    prefix_kv = [
+        (torch.cat([part[i][0] for part in kv_parts])[back], torch.cat([part[i][1] for part in kv_parts])[back])
+        for i in range(len(kv_parts[0]))
+    ]
+
+    values: list[TokenStats] = []
+    index: list[Tensor] = []
+
+    # 2. Tokens 1..P-1 of each prefix, computed once and copied to every row sharing it.
+    if cut > 1:
+        inner = stats(prefix_hidden[:, :-1], prefix_ids[:, 1:])
+        keep = (prefix_mask[:, :-1] & prefix_mask[:, 1:])[split.inverse]  # [B, P-1]
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, cut - 1)
+        cols = torch.arange(1, cut, device=device)[None, :].expand(batch, cut - 1)
+        values.append(_gather_rows(inner, split.inverse, keep))
+        index.append((rows * width + cols)[keep])
+
+    # 3. Suffixes on top of their prefix's cache; token P is predicted from the prefix.
+    suffix_len = mask[:, cut:].sum(-1)
+    order = torch.argsort(suffix_len, descending=True, stable=True)
+    lengths = suffix_len[order].tolist()
+    positions = _positions(mask)
+    with_suffix = sum(1 for n in lengths if n > 0)  # rows ending at column P-1 have none
+    begin = 0
+    while begin < with_suffix:
+        longest = lengths[begin]
+        end = min(with_suffix, begin + max(1, token_budget // longest))
+        rows = order[begin:end]
+        begin = end
+        which = split.inverse[rows]
+        ids = tokens[rows, cut : cut + longest]
+        valid = mask[rows, cut : cut + longest]
+        cache = DynamicCache(ddp_cache_data=[(k[which], v[which]) for k, v in prefix_kv])
+        hidden = decoder(
+            input_ids=ids.masked_fill(~valid, 0),
+            attention_mask=torch.cat([mask[rows, :cut], valid], dim=1).long(),
+            position_ids=positions[rows, cut : cut + longest],
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        context = torch.cat([prefix_hidden[which, -1:], hidden[:, :-1]], dim=1)  # [r, L, H]
+        part = stats(context, ids)
+        values.append(TokenStats(log_probs=part.log_probs[valid],
+                                 entropy=part.entropy[valid] if with_entropy else None))
+        cols = torch.arange(cut, cut + longest, device=device)
+        index.append((rows[:, None] * width + cols[None, :])[valid])
+
+    flat_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long, device=device)
+    log_probs = _place([v.log_probs for v in values], flat_index, batch, width, device)
+    entropy = _place([v.entropy for v in values], flat_index, batch, width, device) if with_entropy else None
+    return TokenStats(log_probs=log_probs, entropy=entropy)
+
+
+def _gather_rows(stats: TokenStats, inverse: Tensor, keep: Tensor) -> TokenStats:
+    """Expand per-prefix stats ``[U, P-1]`` to rows ``[B, P-1]`` and flatten where ``keep``."""
+    log_probs = stats.log_probs[inverse][keep]
+    entropy = stats.entropy[inverse][keep] if stats.entropy is not None else None
+    return TokenStats(log_probs=log_probs, entropy=entropy)
+
+
+def _place(values: list[Tensor], flat_index: Tensor, batch: int, width: int, device) -> Tensor:
+    if not values:
+        return torch.zeros(batch, width, device=device)
+    flat = torch.cat(values)
+    return flat.new_zeros(batch * width).index_put((flat_index,), flat).view(batch, width)

@@ -1,0 +1,72 @@
+"""Concatenate the rows of several scoring requests into one grid, and split the result back.
+
+Each request is a ``[b_i, T_i]`` batch padded on either side. Every row's contiguous run of
+valid tokens is copied to the left of a shared ``[sum b_i, L]`` right-padded grid (``L`` the
+longest run), which ``score_tokens`` scores in one call; ``unpack`` puts each row's
+log-probs back at the positions its tokens had in the caller's own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tether.models.scoring import row_spans
+
+__all__ = ["PackedRows", "pack_rows", "unpack_rows"]
+
+
+@dataclass(frozen=True)
+class RowPlacement:
+    """Where one request's rows sit in the caller's layout and in the packed grid."""
+
+    first_row: int  # index of the request's first row in the packed grid
+    source: Tensor  # long [b, L]: caller column of each packed column (clamped past the run)
+    valid: Tensor  # bool [b, L]: packed positions that hold a real token
+    shape: tuple[int, int]  # the caller's [b, T]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The packed grid of several requests and how to split it back."""
+
+    ids: Tensor  # long [N, L], right-padded with 0
+    mask: Tensor  # bool [N, L]
+    placements: list[RowPlacement]
+
+
+def pack_rows(batches: list[tuple[Tensor, Tensor]]) -> PackedRows:
+    """Pack ``[(tokens [b_i, T_i], mask bool [b_i, T_i]), ...]`` into one right-padded grid."""
+    spans = [row_spans(mask) for _, mask in batches]
+    width = max([int(lengths.max()) for _, lengths in spans if lengths.numel()] + [1])
+    cols = torch.arange(width)
+    ids, masks, placements = [], [], []
+    first = 0
+    for (tokens, mask), (start, lengths) in zip(batches, spans):
+        rows, span = tokens.shape
+        valid = cols[None, :] < lengths[:, None]
+        source = (start[:, None] + cols[None, :]).clamp(max=max(span - 1, 0))
+        gathered = tokens.gather(1, source) if span else torch.zeros(rows, width, dtype=torch.long)
+        ids.append(torch.where(valid, gathered, 0).long())
+        masks.append(valid)
+        placements.append(RowPlacement(first, source, valid, (rows, span)))
+        first += rows
+    return PackedRows(torch.cat(ids), torch.cat(masks), placements)
+
+
+def unpack_rows(values: Tensor, packed: PackedRows) -> list[Tensor]:
+    """Split per-token ``values [N, L]`` of a packed grid into each request's ``[b_i, T_i]``.
+
+    Positions a request did not send as valid tokens hold 0.
+    """
+    out = []
+    for place in packed.placements:
+        rows, span = place.shape
+        part = values[place.first_row : place.first_row + rows]
+        grid = values.new_zeros(rows, span)
+        row_index = torch.arange(rows)[:, None].expand_as(place.source)
+        grid[row_index[place.valid], place.source[place.valid]] = part[place.valid]
+        out.append(grid)
+    return out

@@ -1,0 +1,234 @@
+"""Ray plumbing shared by ``tether.ray``: the cluster check, a loopback-only local cluster,
+named actors, resources, devices.
+
+tether never starts a Ray cluster as a side effect of building a transform or a service:
+``require_ray`` raises ``RayNotInitializedError`` with the line to run instead. A cluster is
+started only by an explicit ``start_local_cluster(num_cpus)`` call, which the
+``tether train --workers N`` recipe makes when no ``ray_address`` is given.
+
+``start_local_cluster`` binds every Ray process to 127.0.0.1. A plain local ``ray.init()``
+does not: on Linux, Ray 2.x takes the machine's routable address as the node address
+(``services.get_node_ip_address`` returns it whenever ``ray_constants.ENABLE_RAY_CLUSTER`` is
+true, the default outside Windows and macOS), and GCS, raylet, agents and workers listen on
+it or on all interfaces; ``ray.init(_node_ip_address="127.0.0.1")`` alone does not help, because
+``resolve_ip_for_localhost`` maps the loopback back to that same routable address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor
+
+try:
+    import ray
+    from ray._private import ray_constants
+except ImportError as exc:  # Ray is an optional extra
+    raise ImportError(
+        "tether.ray needs Ray, which is not installed. Install the extra: pip install 'tether[ray]'."
+    ) from exc
+
+__all__ = [
+    "ActorLookup",
+    "RayNotInitializedError",
+    "actor_resources",
+    "caller_device",
+    "check_seconds",
+    "get_or_create_actor",
+    "is_loopback",
+    "place_scorer",
+    "remote_device",
+    "require_ray",
+    "start_local_cluster",
+    "wait_ready",
+]
+
+_LOOPBACK = "127.0.0.1"
+
+
+class RayNotInitializedError(RuntimeError):
+    """A Ray-backed component was built while no Ray cluster is connected."""
+
+
+def require_ray(what: str) -> None:
+    """Raise ``RayNotInitializedError`` unless this process is connected to a Ray cluster."""
+    if not ray.is_initialized():
+        raise RayNotInitializedError(
+            f"{what}: Ray is not initialised in this process, and tether does not start a cluster "
+            "implicitly. Start a local one first with tether.ray.start_local_cluster(num_cpus=2) "
+            "(bound to 127.0.0.1), or join an existing cluster with ray.init(address='HOST:PORT')."
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP, ``[v6]``, ``::ffff:`` mapped v4 or ``localhost``) is the loopback."""
+    host = host.strip().strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def _addresses() -> dict[str, str]:
+    """The GCS address and every node's address of the connected cluster, by what they are."""
+    found = {"gcs": ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]}
+    for i, node in enumerate(ray.nodes()):
+        found[f"node {i}"] = node["NodeManagerAddress"]
+    return found
+
+
+def start_local_cluster(num_cpus: Any) -> None:
+    """Start a one-node Ray cluster in this process, reachable on 127.0.0.1 only.
+
+    No dashboard. Raises ``RuntimeError`` when this process is already connected to Ray, or
+    when the cluster came up on another address (it is shut down again first).
+    """
+    cpus = _check_amount("num_cpus", num_cpus)
+    if cpus <= 0:
+        raise ValueError(f"num_cpus: expected a number > 0 for a local cluster, got {num_cpus!r}.")
+    if ray.is_initialized():
+        raise RuntimeError(
+            "start_local_cluster: this process is already connected to Ray; use that connection, "
+            "or call ray.shutdown() first."
+        )
+    # The node address is computed once, in this process, by get_node_ip_address (see the
+    # module docstring) and handed to GCS, raylet and workers; with the flag off it is the
+    # loopback. The flag is a module constant read from the environment at import time,
+    # so setting the environment variable now would be too late: patch it for this call.
+    # create=True: a release without the flag still starts, and the check below judges it.
+    with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False, create=True):
+        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address=_LOOPBACK)
+    exposed = {what: host for what, host in _addresses().items() if not is_loopback(host)}
+    if exposed:  # a Ray release that computes the address elsewhere: refuse rather than expose
+        ray.shutdown()
+        raise RuntimeError(
+            f"start_local_cluster: Ray bound {exposed} instead of {_LOOPBACK}, so the cluster was "
+            "reachable from the network; it has been shut down. Start a cluster whose network "
+            "exposure you control and connect to it instead (ray_address=HOST:PORT, or ray.init(address=...))."
+        )
+
+
+@dataclass(frozen=True)
+class ActorLookup:
+    """A Ray actor handle and whether this call created the actor (False: found by name)."""
+
+    handle: Any  # ray.actor.ActorHandle
+    created: bool
+
+
+def get_or_create_actor(
+    body: type,
+    *,
+    name: str | None,
+    options: dict[str, Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+) -> ActorLookup:
+    """The actor called ``name`` if it exists, else a new actor of class ``body``.
+
+    An existing actor is reused as it is: its model and settings stay those it was built with.
+    ``get_if_exists`` closes the race between two callers creating the same name at once.
+    """
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"actor_name: expected a non-empty string or None, got {name!r}.")
+        try:
+            return ActorLookup(ray.get_actor(name), created=False)
+        except ValueError:  # Ray's answer for "no actor with that name"
+            options = {**options, "name": name, "get_if_exists": True}
+    handle = ray.remote(body).options(**options).remote(*args, **(kwargs or {}))
+    return ActorLookup(handle, created=True)
+
+
+def _check_amount(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite number >= 0 of Ray resources, got {value!r}.")
+    return float(value)
+
+
+def actor_resources(num_cpus: Any, num_gpus: Any) -> dict[str, float]:
+    """Validated ``num_cpus`` / ``num_gpus`` actor options (held for the actor's lifetime)."""
+    cpus = _check_amount("num_cpus", num_cpus)
+    gpus = _check_amount("num_gpus", num_gpus)
+    if gpus > 1 and gpus != int(gpus):
+        raise ValueError(f"num_gpus: Ray accepts fractions only below 1, got {gpus}; use a whole number.")
+    return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A duration in seconds, > 0 (checked before any actor is created, so a typo leaks none)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name}: expected a number of seconds > 0, got {value!r}.")
+    return float(value)
+
+
+def wait_ready(refs: list, *, what: str, timeout_s: float, resources: dict[str, float],
+               on_timeout: Callable[[], None] | None = None) -> list:
+    """``ray.get(refs)`` of actors' first calls, with a ``TimeoutError`` that says why they may hang.
+
+    Ray keeps an actor pending, silently, while the cluster lacks the resources it asked for,
+    so an unbounded wait would hang the caller. ``on_timeout`` runs before the error is raised
+    (to kill the actors that never came up).
+    """
+    check_seconds("ready_timeout_s", timeout_s)
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        if on_timeout is not None:
+            on_timeout()
+        raise TimeoutError(
+            f"{what}: not ready after {timeout_s:g} s. Each actor asked for {resources} and the cluster "
+            f"has {free} free now; Ray keeps an actor waiting until its resources are free. Use a "
+            "larger cluster or smaller requests, or raise ready_timeout_s if the model is slow to build."
+        ) from None
+
+
+def remote_device(device: Any, num_gpus: float) -> torch.device | None:
+    """The device the actor computes on; a CUDA device needs a GPU reserved for the actor."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got {device!r}.") from exc
+    if resolved.type == "cuda" and num_gpus <= 0:
+        raise ValueError(
+            f"device={device!r} with num_gpus={num_gpus}: Ray hides every GPU from an actor that "
+            "reserves none. Pass num_gpus=1 (or a fraction) together with a CUDA device."
+        )
+    return resolved
+
+
+def place_scorer(scorer: Any, device: torch.device | None) -> None:
+    """Move a scoring wrapper's model to ``device`` inside an actor; refuse a wrapper pinned elsewhere."""
+    if scorer is None or device is None:
+        return
+    scorer.model.to(device)
+    if scorer.device.type != device.type:
+        raise ValueError(
+            f"device={str(device)!r}: the scorer was built with device={str(scorer.device)!r} and "
+            "keeps sending its inputs there. Build it without a device (or with this one)."
+        )
+
+
+def caller_device(td: TensorDictBase) -> torch.device:
+    """Where the caller's batch lives: its declared device, else that of its first tensor."""
+    if td.device is not None:
+        return td.device
+    for value in td.values(include_nested=True, leaves_only=True):
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device("cpu")

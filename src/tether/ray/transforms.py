@@ -1,0 +1,277 @@
+"""``RayKLRewardTransform`` and ``RayRetrieveKL``: tether's LLM KL transforms hosted in a Ray actor.
+
+The actor builds the local transform (``tether.llm.KLRewardTransform`` / ``RetrieveKL``)
+and so holds the reference model; the object the caller keeps is a thin TensorDict module.
+A call sends the batch to the actor on the CPU, the actor moves it to ``device``, runs the
+local transform there and sends the transformed batch back, and the caller writes every
+entry into its own TensorDict on the caller's device. The values are therefore those of the
+local transform: same code, same tokens, same masks.
+
+``ref_model_factory`` is called inside the actor, so no weights travel; a ``ref_model``
+passed directly is pickled and shipped once, at construction. Callers that name the same
+``actor_name`` share one actor (and one copy of the model): the second finds the first with
+``ray.get_actor`` and builds nothing.
+
+Ray must be initialised before construction (``RayNotInitializedError`` otherwise): a
+transform that quietly started a cluster would leave processes behind in a user's session.
+
+Departures from the TorchRL seed: separate classes rather than a metaclass that swaps the
+type a constructor returns; construction waits for the actor, so a failing factory or a bad
+keyword is reported where the transform is built rather than at the first batch; unknown
+keywords are refused locally with the list of valid ones; ``detach=False`` is refused
+because an autograd graph cannot cross a process boundary; ``kl_coef`` reads and writes
+the coefficient of the shared actor, so a KL controller can drive it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from tether.llm import KLRewardTransform, RetrieveKL
+from tether.llm.retrieve_kl import resolve_reference
+from tether.models import TransformersWrapper
+from tether.ray._checks import check_model_args
+from tether.ray._runtime import (
+    actor_resources,
+    caller_device,
+    get_or_create_actor,
+    place_scorer,
+    remote_device,
+    require_ray,
+)
+
+__all__ = ["RayKLRewardTransform", "RayRetrieveKL", "TransformHostInfo"]
+
+# Arguments the Ray classes take themselves instead of forwarding to the local transform.
+_OWN_ARGS = {"self", "gen_model", "ref_model", "ref_model_factory", "device"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How the actor obtains its models: built objects or factories called in the actor."""
+
+    ref_model: TransformersWrapper | None = None
+    ref_model_factory: Callable[[], TransformersWrapper] | None = None
+    gen_model: TransformersWrapper | None = None
+    gen_model_factory: Callable[[], TransformersWrapper] | None = None
+
+
+@dataclass(frozen=True)
+class TransformHostInfo:
+    """What a transform actor hosts; used to check a reused named actor fits the caller."""
+
+    kind: str
+    actor_id: str
+    pid: int
+    in_keys: list
+    out_keys: list
+
+
+def _build_kl_reward(spec: ModelSpec, kwargs: dict[str, Any], device: torch.device | None) -> TensorDictModuleBase:
+    reference = resolve_reference(spec.ref_model, spec.ref_model_factory)
+    place_scorer(reference, device)
+    return KLRewardTransform(reference, device=device, **kwargs)
+
+
+def _build_retrieve_kl(spec: ModelSpec, kwargs: dict[str, Any], device: torch.device | None) -> TensorDictModuleBase:
+    reference = resolve_reference(spec.ref_model, spec.ref_model_factory)
+    policy = spec.gen_model_factory() if spec.gen_model_factory is not None else spec.gen_model
+    place_scorer(reference, device)
+    place_scorer(policy, device)
+    return RetrieveKL(policy, reference, device=device, **kwargs)
+
+
+class TransformHost:
+    """Ray actor body: one local KL transform, applied to the batches callers send."""
+
+    def __init__(self, kind: str, build: Callable[..., TensorDictModuleBase], spec: ModelSpec,
+                 kwargs: dict[str, Any], device: torch.device | None) -> None:
+        self.kind = kind
+        self.device = device
+        self.module = build(spec, kwargs, device)
+
+    def describe(self) -> TransformHostInfo:
+        return TransformHostInfo(self.kind, ray.get_runtime_context().get_actor_id(), os.getpid(),
+                                 list(self.module.in_keys), list(self.module.out_keys))
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        if self.device is not None:
+            td = td.to(self.device)
+        out = self.module(td)
+        # Results travel back through Ray's object store, which wants CPU tensors.
+        return out.to("cpu") if self.device is not None else out
+
+    def get_kl_coef(self) -> float:
+        return self.module.kl_coef
+
+    def set_kl_coef(self, value: float) -> float:
+        self.module.kl_coef = value
+        return self.module.kl_coef
+
+
+def _check_kwargs(local: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    valid = sorted(set(inspect.signature(local.__init__).parameters) - _OWN_ARGS)
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"{unknown}: not keyword arguments of {local.__name__}. Valid keywords besides the "
+            f"Ray ones (num_cpus, num_gpus, device, actor_name): {valid}."
+        )
+    if kwargs.get("detach", True) is False:
+        raise ValueError(
+            "detach=False: an autograd graph cannot come back from a Ray actor. Use the local "
+            "tether.llm transform when the KL must stay differentiable."
+        )
+    return kwargs
+
+
+class _RayTransform(TensorDictModuleBase):
+    """Shared body of the Ray KL transforms: actor set-up, remote calls, coefficient."""
+
+    kind: str = ""
+
+    def _start(self, build: Callable[..., TensorDictModuleBase], spec: ModelSpec, kwargs: dict[str, Any], *,
+               num_cpus: float, num_gpus: float, device: Any, actor_name: str | None) -> None:
+        require_ray(type(self).__name__)
+        options = actor_resources(num_cpus, num_gpus)
+        target = remote_device(device, options["num_gpus"])
+        lookup = get_or_create_actor(TransformHost, name=actor_name, options=options,
+                                     args=(self.kind, build, spec, kwargs, target))
+        try:
+            describe = lookup.handle.describe
+        except AttributeError:  # a named actor of another class, e.g. a ReferenceService
+            raise TypeError(
+                f"actor_name={actor_name!r}: that actor is not a transform host (it has no describe() "
+                "method). Pick another actor_name for this transform."
+            ) from None
+        info = ray.get(describe.remote())
+        if info.kind != self.kind:
+            raise TypeError(
+                f"actor_name={actor_name!r}: that actor hosts a {info.kind}, not a {self.kind}. "
+                "Pick another actor_name for this transform."
+            )
+        self.actor = lookup.handle
+        self.actor_name = actor_name
+        self.created_actor = lookup.created
+        self.info = info
+        self.in_keys = list(info.in_keys)
+        self.out_keys = list(info.out_keys)
+
+    @property
+    def actor_id(self) -> str:
+        """Ray id of the hosting actor (equal for every transform sharing an ``actor_name``)."""
+        return self.info.actor_id
+
+    @property
+    def kl_coef(self) -> float:
+        return ray.get(self.actor.get_kl_coef.remote())
+
+    @kl_coef.setter
+    def kl_coef(self, value: float) -> None:
+        ray.get(self.actor.set_kl_coef.remote(value))
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        device = caller_device(td)
+        result = ray.get(self.actor.forward.remote(td.to("cpu")))
+        td.update(result.to(device))
+        return td
+
+    def shutdown(self) -> None:
+        """Kill the hosting actor, for every transform sharing it."""
+        ray.kill(self.actor)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}, actor_id={self.actor_id!r}, actor_name={self.actor_name!r}"
+
+
+class RayKLRewardTransform(_RayTransform):
+    """``tether.llm.KLRewardTransform`` hosted in a Ray actor; same inputs, outputs and errors.
+
+    Args:
+        ref_model: scoring ``TransformersWrapper`` of the frozen reference (shipped pickled).
+
+    Keyword Args:
+        ref_model_factory: callable returning that wrapper, called inside the actor (preferred:
+            no weights travel). Exactly one of ``ref_model`` and ``ref_model_factory``.
+        num_cpus, num_gpus: Ray resources the actor holds for its lifetime.
+        device: device the reference runs on inside the actor (a CUDA device needs
+            ``num_gpus``); results always come back on the caller's device.
+        actor_name: reuse the actor of that name if it exists (its model and settings stay
+            those it was built with), else create it under that name.
+        **kwargs: the other keywords of ``KLRewardTransform`` (``coef``, ``in_keys``,
+            ``out_keys``, ``log_prob_key``, ``add_to_reward``, ``tokenizer``,
+            ``assistant_only``, ``padding_side``).
+    """
+
+    kind = "KLRewardTransform"
+
+    def __init__(
+        self,
+        ref_model: TransformersWrapper | None = None,
+        *,
+        ref_model_factory: Callable[[], TransformersWrapper] | None = None,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        device: torch.device | str | None = None,
+        actor_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        check_model_args(ref_model, ref_model_factory)
+        spec = ModelSpec(ref_model=ref_model, ref_model_factory=ref_model_factory)
+        self._start(_build_kl_reward, spec, _check_kwargs(KLRewardTransform, kwargs), num_cpus=num_cpus,
+                    num_gpus=num_gpus, device=device, actor_name=actor_name)
+
+    coef = _RayTransform.kl_coef  # the seed's keyword
+
+
+class RayRetrieveKL(_RayTransform):
+    """``tether.llm.RetrieveKL`` hosted in a Ray actor; same inputs, outputs and errors.
+
+    Args:
+        gen_model: scoring wrapper of the policy, or None (default) to reuse the log-probs
+            recorded at sampling time. The actor holds its own copy, frozen at construction:
+            a policy that keeps training should leave this None.
+        ref_model: scoring wrapper of the frozen reference (shipped pickled).
+
+    Keyword Args:
+        ref_model_factory, gen_model_factory: callables building those wrappers inside the
+            actor. Exactly one of ``ref_model`` / ``ref_model_factory``; at most one of
+            ``gen_model`` / ``gen_model_factory``.
+        num_cpus, num_gpus, device, actor_name: as for ``RayKLRewardTransform``.
+        **kwargs: the other keywords of ``RetrieveKL`` (``assistant_only``, ``tokenizer``,
+            ``tokenizer_kwargs``, ``padding_side``, key names, ``add_to_reward``, ``coeff``,
+            ``estimator``); ``detach`` must stay True.
+    """
+
+    kind = "RetrieveKL"
+
+    def __init__(
+        self,
+        gen_model: TransformersWrapper | None = None,
+        ref_model: TransformersWrapper | None = None,
+        *,
+        ref_model_factory: Callable[[], TransformersWrapper] | None = None,
+        gen_model_factory: Callable[[], TransformersWrapper] | None = None,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        device: torch.device | str | None = None,
+        actor_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        check_model_args(ref_model, ref_model_factory, gen_model, gen_model_factory)
+        spec = ModelSpec(ref_model, ref_model_factory, gen_model, gen_model_factory)
+        self._start(_build_retrieve_kl, spec, _check_kwargs(RetrieveKL, kwargs), num_cpus=num_cpus,
+                    num_gpus=num_gpus, device=device, actor_name=actor_name)
+
+    coeff = _RayTransform.kl_coef  # the seed's keyword

@@ -1,0 +1,78 @@
+"""``tether train --workers 2`` as a user runs it: a fresh process that starts its own local Ray
+cluster and must leave no Ray process behind. No ``ray_cluster`` fixture here on purpose."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from tests.train.test_recipe import tiny_cfg
+from tether.train.config import TrainConfig
+from tether.train.metrics import MetricsLog
+from tether.train.recipe import train
+
+pytestmark = pytest.mark.ray
+
+_MARK = "TETHER_TEST_RUN"
+
+
+def marked_pids(mark: str) -> set[int]:
+    """Processes whose environment holds ``_MARK=mark``: the run and every process it started
+    (Ray's GCS, raylet and workers inherit the driver's environment)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if f"{_MARK}={mark}".encode() in environ.split(b"\0"):
+            found.add(int(entry.name))
+    return found
+
+
+def overrides(cfg: TrainConfig) -> list[str]:
+    """``key=value`` words for every field where ``cfg`` differs from the defaults."""
+    default = TrainConfig()
+    return [f"{f.name}={getattr(cfg, f.name)}" for f in fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)]
+
+
+def test_cli_train_with_workers_starts_and_stops_its_own_cluster(tmp_path):
+    """The test_recipe tiny config, 2 steps, 2 workers, through ``python -m tether.train.cli``:
+    exit code 0, two metrics lines with the keys of an in-process run, and, once the process
+    has exited, none of the processes it started (Ray's included) is left running."""
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("needs /proc to find the processes the run started")
+    cfg = tiny_cfg(tmp_path / "cli", steps=2, workers=2, checkpoint_every=0)
+    mark = uuid.uuid4().hex
+    env = {**os.environ, _MARK: mark}
+    cmd = [sys.executable, "-m", "tether.train.cli", "train", "--quiet", *overrides(cfg)]
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: set[int] = set()
+    deadline = time.time() + 240
+    while child.poll() is None:
+        assert time.time() < deadline, "tether train did not finish in 240 s"
+        seen |= marked_pids(mark) - {child.pid}
+        time.sleep(0.5)
+    output = child.stdout.read()
+    assert child.returncode == 0, output
+    assert seen, "the run started no other process: was the Ray cluster started at all?"
+    deadline = time.time() + 20
+    while (left := marked_pids(mark)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind by tether train: {left}"
+
+    local = tiny_cfg(tmp_path / "local", steps=2, workers=0, checkpoint_every=0)
+    train(local, progress=False)
+    cli_rows = MetricsLog(tmp_path / "cli" / "metrics.jsonl").read()
+    local_rows = MetricsLog(tmp_path / "local" / "metrics.jsonl").read()
+    assert [r["step"] for r in cli_rows] == [1, 2]
+    assert [list(r) for r in cli_rows] == [list(r) for r in local_rows]

@@ -1,0 +1,185 @@
+"""ReferenceService: concurrent callers share one batched forward pass and get their own rows;
+a service killed with a request queued comes back and scores every request exactly once, with
+the right values; a service that cannot be placed times out with the reason."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+from tests.llm.naive import MULTI_TURN, PROMPTS
+from tests.ray import factories
+from tests.ray.factories import reference_scorer
+from tether.llm import chat_batch
+from tether.ray import ReferenceClient, ReferenceService
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
+
+
+def token_batch(chats, padding_side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and attention mask of ``chats`` laid out with ``padding_side`` padding."""
+    td = reference_scorer(padding_side=padding_side)(chat_batch(chats))
+    return td["tokens", "full"], td["masks", "all_attention_mask"]
+
+
+def local_log_probs(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return reference_scorer().score(tokens, mask).log_probs
+
+
+@ray.remote(num_cpus=0.5)
+def rollout_worker(client, tokens, mask):
+    """Stands in for a rollout worker: one request to the shared service."""
+    return client.submit(tokens, mask).reply(timeout_s=120)
+
+
+def test_concurrent_callers_share_one_forward_and_get_their_own_rows():
+    """Two Ray tasks send a left-padded [3, T1] and a right-padded [3, T2] batch at once; the
+    service packs both into one forward pass (forward_calls == 1, both replies from pass 1)
+    and each caller gets log-probs equal to scoring its own batch locally (1e-6)."""
+    left = token_batch(MULTI_TURN, "left")
+    right = token_batch(PROMPTS, "right")
+    assert left[0].shape[1] != right[0].shape[1]
+    service = ReferenceService(ref_model_factory=reference_scorer, max_wait_ms=60_000, max_batch_rows=6)
+    try:
+        client = service.client()
+        replies = ray.get([rollout_worker.remote(client, *left), rollout_worker.remote(client, *right)])
+        assert service.forward_calls() == 1
+        assert [r.forward_index for r in replies] == [1, 1]
+        assert len({r.request_id for r in replies}) == 2
+        for reply, (tokens, mask) in zip(replies, (left, right)):
+            expected = local_log_probs(tokens, mask)
+            assert reply.log_probs.shape == tokens.shape
+            torch.testing.assert_close(reply.log_probs, expected, rtol=0, atol=1e-6)
+            assert expected[mask].lt(-1e-3).any()  # real log-probs, not a grid of zeros
+        stats = service.stats()
+        assert (stats.requests_scored, stats.rows_scored) == (2, 6)
+    finally:
+        service.shutdown()
+
+
+def distinct_requests(names: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Three left-padded rows per name, every row's tokens distinct from every other's."""
+    chats = [[{"role": "user", "content": f"question {name}{i}"}] for name in names for i in range(3)]
+    tokens, mask = token_batch(chats, "left")
+    return {name: (tokens[3 * k : 3 * k + 3], mask[3 * k : 3 * k + 3]) for k, name in enumerate(names)}
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_a_service_killed_with_a_request_queued_scores_every_request_exactly_once(tmp_path):
+    """Requests A and B (one group of 6 rows) are scored together. C opens a second group of 6
+    rows and is confirmed queued at the service (not yet scored) when ray.kill(no_restart=False)
+    hits; D, the rest of C's group, is sent while the actor restarts. The factory builds the model
+    again in the new process, which scores C (resubmitted by Ray) and D in one forward pass as
+    soon as the group is complete, not after max_wait_ms (60 s). The scorer's log, which outlives
+    both instances, names every request exactly once, and every caller got its own rows, equal
+    to local scoring (1e-6). Then: a resent answered id comes from the cache, a reused id with
+    other tokens is refused, flush() closes a group that will never fill, and a service killed
+    for good makes the client give up after max_attempts with the cause."""
+    requests = distinct_requests("ABCDE")
+    id_by_row = {}
+    for name, (tokens, mask) in requests.items():
+        id_by_row.update({tuple(row[keep].tolist()): name for row, keep in zip(tokens, mask)})
+    scored, builds = tmp_path / "scored.txt", tmp_path / "builds.txt"
+    factory = functools.partial(factories.logging_scorer, str(scored), id_by_row)
+    service = ReferenceService(ref_model_factory=functools.partial(built_logged, factory, str(builds)),
+                               max_wait_ms=60_000)
+    try:
+        client = service.client(retry_delay_s=0.2)
+        first = {n: client.submit(*requests[n], request_id=n, group="g1", group_rows=6) for n in "AB"}
+        replies = {n: p.reply(timeout_s=120) for n, p in first.items()}
+        before = service.stats()
+        started = time.monotonic()
+        pending = {"C": client.submit(*requests["C"], request_id="C", group="g2", group_rows=6)}
+        wait_until(lambda: service.stats().queued_ids == ["C"], "C to be queued at the service")
+        ray.kill(service.actor, no_restart=False)
+        pending["D"] = client.submit(*requests["D"], request_id="D", group="g2", group_rows=6)
+        replies.update({n: p.reply(timeout_s=120) for n, p in pending.items()})
+        elapsed = time.monotonic() - started
+        after = service.stats()
+
+        assert (before.forward_calls, before.queued_ids) == (1, [])
+        assert after.pid != before.pid and after.forward_calls == 1 and elapsed < 30
+        assert len(builds.read_text().splitlines()) == 2
+        assert [replies[n].service_pid for n in "ABCD"] == [before.pid] * 2 + [after.pid] * 2
+        assert collections.Counter(scored.read_text().split()) == {n: 1 for n in "ABCD"}
+        for name, reply in replies.items():
+            assert reply.request_id == name
+            torch.testing.assert_close(reply.log_probs, local_log_probs(*requests[name]), rtol=0, atol=1e-6)
+
+        repeat = client.send(pending["D"].request)  # answered by this instance: from its cache
+        assert ray.get(repeat).request_id == "D"
+        cached = service.stats()
+        assert (cached.forward_calls, cached.repeats_answered) == (1, after.repeats_answered + 1)
+        reused = client.submit(*[t.flip(0) for t in requests["D"]], request_id="D")
+        with pytest.raises(ValueError, match="already taken by another batch"):
+            reused.reply(timeout_s=60)
+
+        lonely = client.submit(*requests["E"], request_id="E", group="g3", group_rows=9)
+        wait_until(lambda: service.stats().queued_ids == ["E"], "E to be queued")
+        assert service.flush() == 1
+        assert lonely.reply(timeout_s=30).forward_index == 2
+        assert service.flush() == 0  # nothing queued: no wake left behind for the next batch
+
+        assert service.load_weights({}, version="v7") == 0
+        assert service.info().weights_version == "v7"
+        with pytest.raises(KeyError, match="not parameters of the service's reference"):
+            service.load_weights({"no.such.weight": torch.zeros(1)})
+    finally:
+        service.shutdown()
+    service.shutdown()  # a second call does nothing
+    # Killed for good: the client resends up to max_attempts, then says what failed.
+    gone = service.client(max_attempts=2, retry_delay_s=0).submit(*requests["A"])
+    with pytest.raises(RuntimeError, match=r"failed 2 times \(ActorDiedError\).*max_restarts"):
+        gone.reply(timeout_s=60)
+    assert gone.attempts == 2
+    assert collections.Counter(scored.read_text().split()) == {n: 1 for n in "ABCDE"}
+
+
+def built_logged(factory, log_path: str):
+    """``factory()``, after appending this process's pid to ``log_path`` (one line per build)."""
+    with open(log_path, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    return factory()
+
+
+def test_a_service_that_cannot_be_placed_times_out_with_the_reason():
+    """64 CPUs on a 2-CPU cluster: Ray would keep the actor pending for ever."""
+    with pytest.raises(TimeoutError, match=r"ReferenceService: not ready after 1 s.*'num_cpus': 64.0.*free now"):
+        ReferenceService(ref_model_factory=reference_scorer, num_cpus=64, ready_timeout_s=1)
+
+
+def test_request_errors_name_the_argument():
+    client = ReferenceClient(actor=None)  # the checks run before anything is sent
+    tokens, mask = token_batch(PROMPTS, "left")
+    with pytest.raises(ValueError, match=r"tokens/mask: expected two \[B, T\] tensors of the same shape"):
+        client.submit(tokens, mask[:, 1:])
+    with pytest.raises(TypeError, match="a bool mask.*mask.bool"):
+        client.submit(tokens, mask.long())
+    with pytest.raises(ValueError, match="max_attempts: expected an int >= 1"):
+        ReferenceClient(actor=None, max_attempts=0)
+    with pytest.raises(ValueError, match="group='g', group_rows=None: expected both or neither"):
+        client.submit(tokens, mask, group="g")
+    with pytest.raises(ValueError, match=r"group_rows: expected an int >= this request's 3 rows"):
+        client.submit(tokens, mask, group="g", group_rows=2)
+    with pytest.raises(ValueError, match="ready_timeout_s: expected a number of seconds > 0"):
+        ReferenceService(ref_model_factory=reference_scorer, ready_timeout_s=0)
+    with pytest.raises(ValueError, match="max_wait_ms: expected a number >= 0"):
+        ReferenceService(ref_model_factory=reference_scorer, max_wait_ms=-1)
+    with pytest.raises(ValueError, match="max_batch_rows: expected an int >= 1 or None"):
+        ReferenceService(ref_model_factory=reference_scorer, max_batch_rows=0)
+    with pytest.raises(ValueError, match="max_restarts: expected an int >= -1"):
+        ReferenceService(ref_model_factory=reference_scorer, max_restarts=-2)

@@ -1,0 +1,52 @@
+"""``train`` with Ray workers on a cluster the caller started: a step that raises still frees the
+workers and the service (they would otherwise hold the cluster's CPUs), and the config checks.
+
+Its own module: the pool of test_workers.py holds the session cluster's CPUs until that
+module ends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from tests.ray.test_workers import tiny_cfg, wait_for_free_cpus
+from tether.train import distributed, recipe
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
+
+
+def test_train_that_raises_mid_run_releases_the_workers(tmp_path, monkeypatch):
+    """``train`` with workers=2 (full fine-tuning) whose reward scoring fails at the second step:
+    the error reaches the caller, step 1's record was written (its KL from the service's
+    reference log-probs is 0: at step 1 the policy is the reference), and train's clean-up
+    killed the workers and the service, so the cluster's 2 CPUs are free again."""
+    score = recipe.score_rewards
+
+    def fail_at_step_two(run, batch, problems, step):
+        if step == 1:
+            raise recipe.RewardError("reward broke at step 2")
+        return score(run, batch, problems, step)
+
+    pools = []  # held here, so the actor handles cannot simply be garbage-collected away
+
+    def kept_pool(cfg):
+        pools.append(start(cfg))
+        return pools[-1]
+
+    start = distributed.start_workers
+    monkeypatch.setattr(recipe, "score_rewards", fail_at_step_two)
+    monkeypatch.setattr(distributed, "start_workers", kept_pool)
+    with pytest.raises(recipe.RewardError, match="reward broke"):
+        recipe.train(tiny_cfg(tmp_path / "ray"), progress=False)
+    assert len(pools) == 1 and pools[0].workers == []
+    [record] = recipe.MetricsLog(tmp_path / "ray" / "metrics.jsonl").read()
+    assert record["step"] == 1 and record["kl_per_seq"] == pytest.approx(0.0, abs=1e-5)
+    assert ray.is_initialized()  # the session's cluster, not train's: left connected
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
+def test_config_accepts_workers_and_refuses_negative_counts(tmp_path):
+    assert tiny_cfg(tmp_path, workers=3).validate().workers == 3
+    with pytest.raises(ValueError, match="workers: expected >= 0, got -1"):
+        tiny_cfg(tmp_path, workers=-1).validate()
