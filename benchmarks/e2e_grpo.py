@@ -35,10 +35,12 @@ Where the two still differ (cannot be removed without changing either library):
   given an end-of-sequence id set that no token matches (``sampler.eos_ids = {-1}``): it
   may sample ``<|im_end|>`` and carry on. ``--natural-lengths`` lets both stop at
   end-of-turn; the mean completion length per tool is printed either way.
-- Scoring: tether scores padding-free in length-sorted passes and runs its chunked output
-  head at every position, prompt included; TRL pads each micro-batch and its fused head
-  runs only at completion positions. Both compute per-token entropy in the loss (logged,
-  coefficient 0).
+- Scoring: tether runs each distinct prompt through the decoder once per micro-batch and the
+  answers on top of its cache (``tether.models.shared_prefix``), padding-free, with its
+  chunked output head at each distinct prompt's positions and every answer token; TRL runs
+  every padded row in full and its fused head only at completion positions. Both compute
+  per-token entropy in the loss (logged, coefficient 0; tether keeps it out of the graph).
+  Both process the same token count by the definition below: the saving is tether's.
 - Optimizer: tether's ``torch.optim.AdamW`` defaults; TRL's ``optim="adamw_torch"``.
 - Mode: tether keeps the model in eval mode, TRL in train mode with dropout disabled
   (SmolLM2 has no dropout, so the arithmetic is the same).
