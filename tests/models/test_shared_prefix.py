@@ -173,3 +173,11 @@ def test_holes_in_a_row_are_refused_as_in_plain_scoring(model64):
     mask[0, 6] = True
     with pytest.raises(ValueError, match="contiguous run"):
         score_tokens(model64, tokens, mask, share_prefix=True)
+
+
+def test_padding_ids_outside_the_vocabulary_are_never_looked_up(model64):
+    """Padding may hold any id (here one past the vocabulary): only the mask says what is real."""
+    tokens, mask = grpo_batch([4, 6], group=3, max_response=4, seed=5)
+    expected = score_tokens(model64, tokens, mask, share_prefix=True).log_probs
+    tokens = tokens.masked_fill(~mask, model64.config.vocab_size)
+    torch.testing.assert_close(score_tokens(model64, tokens, mask, share_prefix=True).log_probs, expected, rtol=0, atol=0)

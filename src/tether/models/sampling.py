@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether.models.shared_prefix import first_of_each
+
 
 @dataclass(frozen=True)
 class SampleOutput:
@@ -54,13 +56,6 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
-
-
-def _first_rows(inverse: Tensor, count: int) -> Tensor:
-    """Index of the first row of each of ``count`` distinct values of ``inverse`` (``long [count]``)."""
-    rows = torch.arange(inverse.numel(), device=inverse.device)
-    first = torch.full((count,), inverse.numel(), dtype=torch.long, device=inverse.device)
-    return first.scatter_reduce(0, inverse, rows, reduce="amin")
 
 
 @torch.no_grad()
@@ -103,7 +98,7 @@ def sample_responses(
     keyed = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
     distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
     share = distinct.shape[0] < batch
-    first = _first_rows(inverse, distinct.shape[0]) if share else None
+    first = first_of_each(inverse) if share else None
     cache = DynamicCache()
     out = model(
         input_ids=prompt_ids[first] if share else prompt_ids,

@@ -75,18 +75,18 @@ def plan_prefix_split(tokens: Tensor, attention_mask: Tensor, *, min_saving: flo
         cut = col + 1
         if not every_row_valid[col]:
             continue
-        reps = _first_of_each(group)
+        reps = first_of_each(group)
         cost = int(valid[reps, :cut].sum()) + suffix_tokens[cut]
         if best is None or cost < best[0]:
             best = (cost, cut, group.clone())
     if best is None or total - best[0] < min_saving * total:
         return None
     cost, cut, group = best
-    return PrefixSplit(width=cut, representatives=_first_of_each(group), inverse=group, tokens_saved=total - cost)
+    return PrefixSplit(width=cut, representatives=first_of_each(group), inverse=group, tokens_saved=total - cost)
 
 
-def _first_of_each(group: Tensor) -> Tensor:
-    """Index of the first row of each group id ``0..U-1`` (``long [U]``)."""
+def first_of_each(group: Tensor) -> Tensor:
+    """Index of the first row holding each group id ``0..U-1`` of ``group [B]`` (``long [U]``)."""
     count = int(group.max()) + 1
     rows = torch.arange(group.numel(), device=group.device)
     first = torch.full((count,), group.numel(), dtype=torch.long, device=group.device)
@@ -189,11 +189,11 @@ def score_with_shared_prefix(
         rows = order[begin:end]
         begin = end
         which = split.inverse[rows]
-        ids = tokens[rows, cut : cut + longest]
         valid = mask[rows, cut : cut + longest]
+        ids = tokens[rows, cut : cut + longest].masked_fill(~valid, 0)  # pad ids may be out of range
         cache = DynamicCache(ddp_cache_data=[(k[which], v[which]) for k, v in prefix_kv])
         hidden = decoder(
-            input_ids=ids.masked_fill(~valid, 0),
+            input_ids=ids,
             attention_mask=torch.cat([mask[rows, :cut], valid], dim=1).long(),
             position_ids=positions[rows, cut : cut + longest],
             past_key_values=cache,

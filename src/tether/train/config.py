@@ -26,7 +26,7 @@ class TrainConfig:
     # --- run
     model: str = _f("default", "Policy: 'default' (embedded SmolLM2-135M-Instruct), 'tiny' (2-layer random model for smoke runs) or a local HF model directory.")
     task: str = _f("arithmetic", "Task name from the registry, or a path to a .py file defining TASK or make_task().")
-    steps: int = _f(24, "Number of optimizer steps.")
+    steps: int = _f(16, "Number of optimizer steps.")
     seed: int = _f(0, "Seed for data, sampling and initialisation.")
     out: str = _f("runs/train", "Run directory (config.yaml, metrics.jsonl, plots/, checkpoints/, summary.json).")
     checkpoint_every: int = _f(4, "Save a checkpoint every K steps (and at the end); 0 saves only at the end.")
@@ -55,7 +55,7 @@ class TrainConfig:
     # --- KL leash
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
-    kl_coef: float = _f(0.05, "Initial KL coefficient beta.")
+    kl_coef: float = _f(0.2, "Initial KL coefficient beta.")
     kl_controller: str = _f("constant", "'constant' or 'adaptive' (Ziegler et al. 2019) control of beta.")
     kl_target: float = _f(1.0, "Adaptive controller target: mean per-sequence summed KL (nats).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
