@@ -17,8 +17,9 @@ from tether.train.config import TrainConfig
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="GRPO with a KL leash on the embedded model (defaults) or --model.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Flags default to None (meaning "not given", so --config and overrides can apply); the real
+    # default is the config field's, written into each help line by hand.
+    p = sub.add_parser("train", help="GRPO with a KL leash on the embedded model (defaults) or --model.")
     p.add_argument("--config", help="YAML file of config keys, applied before flags and key=value overrides.")
     p.add_argument("--resume", metavar="RUN_DIR", help="Continue RUN_DIR from its last checkpoint with its config.yaml.")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
