@@ -14,18 +14,20 @@ __all__ = ["check_model_args"]
 def check_model_args(ref_model: Any, ref_model_factory: Any, gen_model: Any = None,
                      gen_model_factory: Any = None) -> None:
     """Exactly one of ref_model / ref_model_factory; at most one of gen_model / gen_model_factory."""
-    if ref_model is not None and ref_model_factory is not None:
+    given_ref = [name for name, value in (("ref_model", ref_model), ("ref_model_factory", ref_model_factory))
+                 if value is not None]
+    if len(given_ref) == 2:
         raise ValueError(
             "ref_model and ref_model_factory were both given; expected exactly one. Prefer "
             "ref_model_factory (called inside the actor, so no weights are shipped) and drop ref_model."
         )
-    if ref_model is None and ref_model_factory is None:
+    if not given_ref:
         raise ValueError(
             "ref_model / ref_model_factory: expected exactly one, got neither. Pass "
             "ref_model_factory=<callable returning a scoring TransformersWrapper> (built inside the "
             "actor) or ref_model=<TransformersWrapper> (pickled and shipped to it)."
         )
-    if gen_model is not None and gen_model_factory is not None:
+    if sum(value is not None for value in (gen_model, gen_model_factory)) > 1:
         raise ValueError(
             "gen_model and gen_model_factory were both given; expected at most one (neither reuses "
             "the log-probs recorded at sampling time). Drop one of them."
