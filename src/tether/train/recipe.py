@@ -29,7 +29,7 @@ from tqdm import tqdm
 from tether.control import make_kl_controller
 from tether.llm import chat_batch
 from tether.models import ReferenceUpdater, TransformersWrapper
-from tether.objectives import GRPOLoss
+from tether.objectives import GRPOLoss, GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
 from tether.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tether.train.config import TrainConfig
@@ -179,26 +179,24 @@ def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_gradients(run: Run, batch) -> dict[str, float]:
-    """Backward of the step's loss, micro-batch by micro-batch, with full-batch denominators."""
+    """Backward of the step's loss, micro-batch by micro-batch, with full-batch denominators.
+
+    The diagnostics are not averaged over micro-batches (ESS is no token mean): each
+    micro-batch's detached per-token terms are kept and reduced once over the whole batch,
+    so every logged value equals that of one full-batch ``GRPOLoss`` call.
+    """
     cfg = run.cfg
-    mask = batch["masks", "all_assistant_mask"]
-    denominator = aggregate_denominator(mask, cfg.aggregation)
+    denominator = aggregate_denominator(batch["masks", "all_assistant_mask"], cfg.aggregation)
     run.optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    n = batch.shape[0]
-    total_tokens = mask.sum().clamp(min=1)
-    for begin in range(0, n, cfg.micro_batch_size):
-        part = batch[begin : begin + cfg.micro_batch_size]
-        out = run.loss(part, denominator=denominator)
-        total = out.total_loss()
-        total.backward()
-        # The loss's diagnostics are token means of the micro-batch: weight them by its tokens.
-        share = float(part["masks", "all_assistant_mask"].sum() / total_tokens)
-        for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref"):
-            value = getattr(out, name, None)
-            if value is not None:
-                sums[name] = sums.get(name, 0.0) + float(value) * share
-        sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
+    kept = []
+    for begin in range(0, batch.shape[0], cfg.micro_batch_size):
+        terms = run.loss.token_terms(batch[begin : begin + cfg.micro_batch_size])
+        run.loss.reduce(terms, denominator=denominator).total_loss().backward()
+        kept.append(terms.detach())
+    out = run.loss.reduce(GRPOTokenTerms.cat(kept))
+    diagnostics = {name: getattr(out, name) for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref")}
+    sums = {name: float(value) for name, value in diagnostics.items() if value is not None}
+    sums["loss"] = float(out.total_loss())
     return sums
 
 
