@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether._compat import new_cache, select_cache_rows
 from tether.models.shared_prefix import first_of_each
 
 
@@ -87,8 +88,6 @@ def sample_responses(
         do_sample: False for greedy decoding (log-probs still under the tempered softmax).
         generator: torch RNG for reproducible sampling.
     """
-    from transformers import DynamicCache
-
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
     eos = torch.tensor(sorted(eos_ids), device=device)
@@ -99,7 +98,7 @@ def sample_responses(
     distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
     share = distinct.shape[0] < batch
     first = first_of_each(inverse) if share else None
-    cache = DynamicCache()
+    cache = new_cache()
     out = model(
         input_ids=prompt_ids[first] if share else prompt_ids,
         attention_mask=mask[first] if share else mask,
@@ -110,7 +109,7 @@ def sample_responses(
     )
     logits = out.logits[inverse] if share else out.logits
     if share:
-        cache.batch_select_indices(inverse)
+        select_cache_rows(cache, inverse)
     next_pos = position[:, -1:] + 1
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -134,7 +133,7 @@ def sample_responses(
             break
         if bool(ended.any()):
             keep = (~ended).nonzero().flatten()
-            cache.batch_select_indices(keep)
+            select_cache_rows(cache, keep)
             alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         logits = model(
