@@ -42,6 +42,7 @@ from tether.models.batch_io import (
 from tether.models.chat import tokenize_chats
 from tether.models.sampling import sample_responses
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
+from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import TokenStats, mask_from_lengths
 
 INPUT_MODES = ("history", "text", "tokens")
@@ -71,15 +72,6 @@ def _stack_rows(rows: list[Tensor], padding_side: str, fill: int | bool) -> tupl
     return out, mask
 
 
-def _id_set(*values: Any) -> set[int]:
-    ids: set[int] = set()
-    for v in values:
-        if v is None:
-            continue
-        ids.update([int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)])
-    return ids
-
-
 class TransformersWrapper(TensorDictModuleBase):
     """Sample from or score with an HF causal LM on TensorDicts.
 
@@ -103,6 +95,9 @@ class TransformersWrapper(TensorDictModuleBase):
         token_budget: most ``rows * longest_row`` tokens in one scoring forward pass.
         share_prefix: when rows share a prompt (GRPO groups), score each distinct prompt
             once and the responses on top of its cache (``tether.models.shared_prefix``).
+        eos_token_id, pad_token_id: override the ids found on the tokenizer / model configs
+            (``tether.models.special_ids``); a model with no pad id anywhere needs
+            ``pad_token_id`` (the eos id is a common choice).
     """
 
     def __init__(
@@ -122,6 +117,8 @@ class TransformersWrapper(TensorDictModuleBase):
         padding_side: str = "left",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         share_prefix: bool = True,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> None:
         super().__init__()
         if input_mode not in INPUT_MODES:
@@ -155,7 +152,8 @@ class TransformersWrapper(TensorDictModuleBase):
         self.token_budget = token_budget
         self.share_prefix = share_prefix
         self._device = torch.device(device) if device is not None else None
-        self.eos_ids, self.pad_id = self._special_ids(model, tokenizer)
+        self.eos_ids = set(resolve_eos_ids(eos_token_id, model, tokenizer, owner="TransformersWrapper"))
+        self.pad_id = resolve_pad_id(pad_token_id, model, tokenizer, owner="TransformersWrapper")
         stage = "prompt" if generate else "full"
         self.in_keys = [(input_mode, stage)]
         out = [("tokens", "full"), ("masks", "all_attention_mask"), ("masks", "all_assistant_mask")]
@@ -164,25 +162,6 @@ class TransformersWrapper(TensorDictModuleBase):
         if return_log_probs:
             out += [(log_probs_key, "full")] + ([(log_probs_key, "response")] if generate else [])
         self.out_keys = out
-
-    @staticmethod
-    def _special_ids(model: nn.Module, tokenizer: Any) -> tuple[set[int], int]:
-        gen = getattr(model, "generation_config", None)
-        cfg = getattr(model, "config", None)
-        eos = _id_set(
-            getattr(tokenizer, "eos_token_id", None),
-            getattr(gen, "eos_token_id", None),
-            getattr(cfg, "eos_token_id", None),
-        )
-        if not eos:
-            raise ValueError(
-                "tokenizer/model: no eos token id found on the tokenizer, generation_config or "
-                "config. Set model.generation_config.eos_token_id."
-            )
-        pads = [getattr(tokenizer, "pad_token_id", None), getattr(gen, "pad_token_id", None),
-                getattr(cfg, "pad_token_id", None)]
-        pad = next((int(p) for p in pads if p is not None), min(eos))
-        return eos, pad
 
     @property
     def device(self) -> torch.device:
