@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, read_grpo_batch
 from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
+from tether.ops.registry import lookup
 from tether.ops import (
     aggregate,
     clipped_surrogate,
@@ -157,8 +158,7 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"samples_mc_entropy must be an int >= 1; got {samples_mc_entropy!r}.")
         if isinstance(entropy_coeff, bool) or not isinstance(entropy_coeff, Real) or not math.isfinite(entropy_coeff):
             raise ValueError(f"entropy_coeff must be a finite number; got {entropy_coeff!r}.")
-        if ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level={ratio_level!r} is not supported; choose one of: {', '.join(map(repr, RATIO_LEVELS))}.")
+        lookup(RATIO_LEVELS, ratio_level, "ratio_level")
         self.actor_network = actor_network
         self.clip_epsilon = clip_epsilon
         self.dual_clip = dual_clip

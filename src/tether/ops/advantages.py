@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class _GroupStats:
@@ -58,13 +60,6 @@ STD_MODES: dict[str, int] = {
     "unbiased": 1,
     "population": 0,
 }
-
-
-def _lookup(table: dict, name: object, argument: str):
-    if name not in table:
-        supported = ", ".join(repr(key) for key in table)
-        raise ValueError(f"{argument}={name!r} is not supported; choose one of: {supported}.")
-    return table[name]
 
 
 def _flat_groups(rewards: Tensor, group_ids: Tensor | None) -> tuple[Tensor, Tensor, int, Tensor | None]:
@@ -139,8 +134,8 @@ def group_advantages(
     Worked check: ``[1, 0, 1, 0]`` gives ``+-sqrt(3)/2`` (grpo, Bessel), ``+-1`` (population),
     ``+-0.5`` (dr_grpo), ``+-2/3`` (rloo).
     """
-    advantage = _lookup(ADVANTAGE_MODES, mode, "mode")
-    ddof = _lookup(STD_MODES, std, "std")
+    advantage = lookup(ADVANTAGE_MODES, mode, "mode")
+    ddof = lookup(STD_MODES, std, "std")
     if not isinstance(rewards, Tensor):
         raise TypeError(f"rewards must be a torch.Tensor; got {type(rewards).__name__}.")
     if not rewards.is_floating_point():

@@ -29,6 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class _Mode:
@@ -60,10 +62,7 @@ AGGREGATION_MODES: dict[str, _Mode] = {
 
 
 def _mode(mode: str) -> _Mode:
-    if mode not in AGGREGATION_MODES:
-        supported = ", ".join(repr(name) for name in AGGREGATION_MODES)
-        raise ValueError(f"mode={mode!r} is not supported; choose one of: {supported}.")
-    return AGGREGATION_MODES[mode]
+    return lookup(AGGREGATION_MODES, mode, "mode")
 
 
 def _check_mask(mask: Tensor) -> None:

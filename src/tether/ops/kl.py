@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -146,13 +148,6 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
 }
 
 
-def _lookup(table: dict, name: object, argument: str) -> Callable:
-    if name not in table:
-        supported = ", ".join(repr(key) for key in table)
-        raise ValueError(f"{argument}={name!r} is not supported; choose one of: {supported}.")
-    return table[name]
-
-
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
     """Per-token KL estimate by name: ``KL_ESTIMATORS[estimator](logp, ref_logp)``.
 
@@ -164,7 +159,7 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor
     Returns:
         ``[...]`` per-token estimate.
     """
-    return _lookup(KL_ESTIMATORS, estimator, "estimator")(logp, ref_logp)
+    return lookup(KL_ESTIMATORS, estimator, "estimator")(logp, ref_logp)
 
 
 _REFUSED_AS_LOSS = {
@@ -253,8 +248,8 @@ def kl_loss_term(
     """
     if estimator in _REFUSED_AS_LOSS:
         raise ValueError(f"estimator={estimator!r} cannot be used as a KL loss: {_REFUSED_AS_LOSS[estimator]}.")
-    _lookup(_IMPORTANCE_FORMS, estimator, "estimator")
-    apply = _lookup(KL_CORRECTIONS, correction, "correction")
+    lookup(_IMPORTANCE_FORMS, estimator, "estimator")
+    apply = lookup(KL_CORRECTIONS, correction, "correction")
     _check_pair(logp, ref_logp, ("logp", "ref_logp"))
     if old_logp is not None:
         _check_pair(logp, old_logp, ("logp", "old_logp"))

@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class PolicyLoss:
@@ -198,10 +200,7 @@ def importance_weights(
         ``[B, T]`` detached weights; 0 at masked positions. Multiply the per-token policy
         loss by them.
     """
-    weigh = IMPORTANCE_WEIGHT_MODES.get(mode)
-    if weigh is None:
-        supported = ", ".join(repr(name) for name in IMPORTANCE_WEIGHT_MODES)
-        raise ValueError(f"mode={mode!r} is not supported; choose one of: {supported}.")
+    weigh = lookup(IMPORTANCE_WEIGHT_MODES, mode, "mode")
     if isinstance(cap, bool) or not isinstance(cap, Real) or not cap > 0:
         raise ValueError(f"cap must be a number > 0; got {cap!r}.")
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
