@@ -153,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     pl = sub.add_parser("plot", help="Write PNG plots of a run's metrics.jsonl.")
     pl.add_argument("run_dir")
     args = parser.parse_args(argv)
-    # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
-    warnings.formatwarning = lambda message, category, *_, **__: f"tether: {category.__name__}: {message}\n"
     handlers = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot}
-    return handlers[args.command](args)
+    # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_, **__: f"tether: {category.__name__}: {message}\n"
+    try:
+        return handlers[args.command](args)
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":
