@@ -230,6 +230,7 @@ def test_resume_with_steps_extends_the_run_exactly(finished, tmp_path, capsys):
     capsys.readouterr()
     for extra, match in ((["--seed", "5"], "cannot change seed (0 -> 5)"),
                          (["--steps", "2"], "steps: 2 is below the step of"),
-                         (["--overwrite"], "--overwrite contradict")):
+                         (["--overwrite"], "--overwrite contradict"),
+                         (["--out", str(clean)], "a resume writes into the run it continues")):
         assert main(["train", "--quiet", "--resume", str(run), *extra]) == 2
         assert match in one_error_line(capsys)

@@ -31,7 +31,7 @@ def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="GRPO with a KL leash on the embedded model (defaults) or --model.")
     p.add_argument("--config", help="YAML file of config keys, applied before flags and key=value overrides.")
     p.add_argument("--resume", metavar="RUN_DIR", help="Continue RUN_DIR from its newest intact checkpoint with "
-                   "its config.yaml; flags may change only steps and the checkpoint cadence.")
+                   "its config.yaml; flags may change only steps, the checkpoint cadence and threads.")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     for f in fields(TrainConfig):
         flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
@@ -60,8 +60,10 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     if args.resume:
         if args.config:
             raise ValueError(f"--config and --resume {args.resume} together: a resume uses the run's own config.yaml.")
+        if "out" in changes and Path(changes["out"]) != Path(args.resume):
+            raise ValueError(f"--out {changes['out']} and --resume {args.resume}: a resume writes into the run it continues.")
         stored = read_run_config(Path(args.resume))
-        cfg = stored.override({k: v for k, v in changes.items() if k != "out"})
+        cfg = stored.override(changes)
         check_resume_overrides(stored, cfg)
         return cfg
     cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
