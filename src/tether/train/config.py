@@ -8,6 +8,7 @@ apply on top. ``validate()`` reports every problem at once in a single ``ValueEr
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ class TrainConfig:
     seed: int = _f(0, "Seed for data, sampling and initialisation.")
     out: str = _f("runs/train", "Run directory (config.yaml, metrics.jsonl, plots/, checkpoints/, summary.json).")
     checkpoint_every: int = _f(4, "Save a checkpoint every K steps (and at the end); 0 saves only at the end.")
+    keep_checkpoints: int = _f(2, "Checkpoints kept (the newest ones); resume falls back to the newest intact one.")
+    overwrite: bool = _f(False, "Replace the run in --out (its config, metrics, plots, summary and checkpoints); without it a directory that is not empty is refused.")
     workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
     ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
     threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
@@ -85,10 +88,21 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); check the path.") from exc
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ValueError(f"{path}: not valid YAML ({problem}{where}); fix the file's syntax.") from exc
         if not isinstance(data, dict):
-            raise ValueError(f"--config {path}: expected a YAML mapping of config keys, got {type(data).__name__}.")
-        return cls.from_dict(data)
+            raise ValueError(f"{path}: expected a YAML mapping of config keys, got {type(data).__name__}.")
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
 
     def override(self, values: dict[str, Any]) -> "TrainConfig":
         """A copy with ``values`` (raw strings or typed values) converted to each field's type."""
@@ -122,6 +136,10 @@ class TrainConfig:
                      "eval_max_new_tokens", "kl_horizon", "reference_every"):
             need(getattr(self, name) >= 1, f"{name}: expected >= 1, got {getattr(self, name)}")
         need(self.group_size >= 2, f"group_size: expected >= 2 (a group of one has no baseline), got {self.group_size}")
+        for f in fields(self):  # nan and inf pass every comparison below that they should fail
+            value = getattr(self, f.name)
+            need(not isinstance(value, float) or math.isfinite(value), f"{f.name}: expected a finite number, got {value}")
+        need(self.keep_checkpoints >= 1, f"keep_checkpoints: expected >= 1, got {self.keep_checkpoints}")
         for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high"):
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")

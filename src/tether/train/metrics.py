@@ -28,8 +28,16 @@ class MetricsLog:
         self.path = path
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines of steps later than ``step`` (they are recomputed after a resume)."""
+        """Drop lines of steps later than ``step`` (they are recomputed after a resume); the
+        lines of steps 1..``step`` must all be there, since they are not recomputed."""
         kept = [r for r in self.read() if r["step"] <= step]
+        if [r["step"] for r in kept] != list(range(1, step + 1)):
+            missing = sorted(set(range(1, step + 1)) - {r["step"] for r in kept})
+            raise ValueError(
+                f"{self.path}: the lines of steps 1..{step} (the checkpoint's) are not all there once each "
+                f"(missing {missing[:10]}, {len(kept)} lines); the file was truncated or edited. Restore it, "
+                "or start the run again with --overwrite."
+            )
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def append(self, record: dict[str, Any]) -> None:
@@ -38,9 +46,23 @@ class MetricsLog:
             fh.flush()
 
     def read(self) -> list[dict[str, Any]]:
+        """Every complete line; a last line without its newline is a write cut short by a
+        kill (its step has no checkpoint) and is left out."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = self.path.read_text().split("\n")[:-1]  # the part after the last newline is unfinished
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: line {number} is not valid JSON ({exc}); the file is damaged.") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(f"{self.path}: line {number} is not a step record (no integer 'step').")
+            records.append(record)
+        return records
 
 
 def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
