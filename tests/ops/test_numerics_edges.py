@@ -185,3 +185,9 @@ def test_aggregate_tensor_denominator_not_positive():
         aggregate(values, mask, denominator=torch.tensor([1, 2]))
     with pytest.raises(TypeError, match=r"one-element real tensor.*torch.bool"):
         aggregate(values, mask, denominator=torch.tensor(True))
+
+
+def test_aggregate_mask_on_another_device_is_named():
+    values = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"mask is on meta but values is on cpu; move mask with \.to\(values\.device\)"):
+        aggregate(values, torch.ones(2, 3, dtype=torch.bool, device="meta"))

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from tether.ops._scaling import power_of_two_scale
+from tether.ops._vocab_checks import check_same_device
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ def aggregate(
     if not isinstance(values, Tensor) or values.shape != mask.shape:
         got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
         raise ValueError(f"values must be a tensor with the mask's shape {tuple(mask.shape)}; got {got}.")
+    check_same_device("mask", mask, "values", values)
     if spec.needs_normalizer and normalizer is None:
         raise ValueError(
             f"mode={mode!r} needs normalizer (a constant per-row divisor such as the maximal "
