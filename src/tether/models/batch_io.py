@@ -16,6 +16,7 @@ from torch import Tensor
 
 from tether.models.chat import validate_chats
 from tether.ops import mask_from_lengths, nested_to_padded, padded_to_nested
+from tether.ops._vocab_checks import check_mask
 
 Chat = list[dict[str, str]]
 
@@ -83,7 +84,7 @@ def read_ragged(
             f"{mask_key!r}: expected a mask of shape {tuple(value.shape[:2])} matching {key!r}, "
             f"got {tuple(mask.shape)}."
         )
-    return value, mask.bool()
+    return value, check_mask(repr(mask_key), mask)
 
 
 def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:

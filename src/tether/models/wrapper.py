@@ -40,10 +40,11 @@ from tether.models.batch_io import (
     write_ragged,
 )
 from tether.models.chat import tokenize_chats
-from tether.models.sampling import sample_responses
+from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import TokenStats, mask_from_lengths
+from tether.ops._vocab_checks import check_temperature, check_token_ids
 
 INPUT_MODES = ("history", "text", "tokens")
 _GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator"}
@@ -128,8 +129,7 @@ class TransformersWrapper(TensorDictModuleBase):
                 f"tokenizer: input_mode={input_mode!r} needs a tokenizer to render and encode "
                 "inputs, got None. Pass the model's tokenizer or use input_mode='tokens'."
             )
-        if not temperature > 0:
-            raise ValueError(f"temperature: expected a positive float, got {temperature}.")
+        check_temperature(temperature)
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
         unknown = set(generate_kwargs or {}) - _GENERATE_OPTIONS
@@ -138,6 +138,13 @@ class TransformersWrapper(TensorDictModuleBase):
                 f"generate_kwargs: unsupported options {sorted(unknown)}; supported: "
                 f"{sorted(_GENERATE_OPTIONS)}."
             )
+        options = {"max_new_tokens": _DEFAULT_MAX_NEW_TOKENS, **(generate_kwargs or {})}
+        check_sampling_options(
+            temperature=temperature,
+            max_new_tokens=options["max_new_tokens"],
+            top_k=options.get("top_k"),
+            top_p=options.get("top_p"),
+        )
         self.model = model
         self.tokenizer = tokenizer
         self.input_mode = input_mode
@@ -233,6 +240,7 @@ class TransformersWrapper(TensorDictModuleBase):
     def _encode_tokens(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
         mask_key = ("masks", "all_attention_mask" if stage == "full" else "prompt_attention_mask")
         ids, mask = read_ragged(td, ("tokens", stage), mask_key)
+        check_token_ids(repr(("tokens", stage)), ids)
         ids, mask = repack(ids, mask, padding_side)
         assistant = None
         prompt_lengths = None
@@ -253,7 +261,7 @@ class TransformersWrapper(TensorDictModuleBase):
             self.model,
             prompt.ids.to(self.device),
             prompt.mask.to(self.device),
-            max_new_tokens=int(opts["max_new_tokens"]),
+            max_new_tokens=opts["max_new_tokens"],
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
             temperature=self.temperature,
