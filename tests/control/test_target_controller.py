@@ -92,7 +92,7 @@ def test_ziegler_controller_misses_the_band_on_the_same_plant():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    kls=st.lists(st.one_of(st.floats(-50, 1e30), st.sampled_from([0.0, 1e300, -1e300])), min_size=1, max_size=30),
+    kls=st.lists(st.one_of(st.floats(-50, 1e30), st.sampled_from([0.0, 5e-324, 1e300, -1e300])), min_size=1, max_size=30),
     start=st.floats(1e-4, 1e3),
 )
 def test_beta_stays_positive_finite_bounded_and_moves_by_bounded_factors(kls, start):

@@ -145,18 +145,14 @@ class TargetKLController:
 
     def log_ratio(self, kl: float | None) -> float:
         """``log(kl / target)`` clipped to ``[-max_fall, max_rise]``; -max_fall for kl <= 0."""
-        if kl is None or kl <= 0:
+        ratio = 0.0 if kl is None else kl / self.target
+        if ratio <= 0:  # also a positive KL that underflows the division (5e-324 / 2)
             return -self.max_fall
-        return min(max(math.log(kl / self.target), -self.max_fall), self.max_rise)
+        return min(max(math.log(ratio), -self.max_fall), self.max_rise)
 
     def update(self, kl_values: Any = None, n_steps: int | None = None) -> float:
-        """Moves beta after one batch and returns it (a Python float).
-
-        Args:
-            kl_values: per-sequence summed KLs of the batch, ``[N]`` tensor or sequence of
-                floats (nats per sequence); or a scalar, their mean, with ``n_steps``.
-            n_steps: number of sequences; defaults to ``len(kl_values)``.
-        """
+        """Moves beta after one batch and returns it; the inputs are those of
+        ``AdaptiveKLController.update`` (per-sequence KLs, or their mean with ``n_steps``)."""
         kl, _ = mean_sequence_kl(kl_values, n_steps)
         if self.num_updates > 0:
             now, before = self.log_ratio(kl), self.log_ratio(self.last_kl)
