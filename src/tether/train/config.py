@@ -59,10 +59,10 @@ class TrainConfig:
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
     kl_coef: float = _f(0.2, "Initial KL coefficient beta.")
-    kl_controller: str = _f("constant", "'constant' or 'adaptive' (Ziegler et al. 2019) control of beta.")
-    kl_target: float = _f(1.0, "Adaptive controller target: mean per-sequence summed KL (nats).")
+    kl_controller: str = _f("constant", "'constant', 'adaptive' (Ziegler et al. 2019) or 'target' (holds the KL at kl_target every step; kl_coef is its start) control of beta.")
+    kl_target: float = _f(1.0, "KL the adaptive or target controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
-    kl_bound: float = _f(3.0, "Bound on the final mean per-sequence KL reported as met or not in the summary (nats).")
+    kl_bound: float = _f(3.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
@@ -168,7 +168,7 @@ _CHOICES: dict[str, set[str]] = {
     "advantage": {"grpo", "dr_grpo", "rloo"},
     "kl_mode": {"loss", "reward"},
     "kl_estimator": {"k1", "k2", "k3"},
-    "kl_controller": {"constant", "adaptive"},
+    "kl_controller": {"constant", "adaptive", "target"},
     "reference_update": {"fixed", "sync", "ema"},
 }
 
