@@ -32,6 +32,7 @@ class TrainConfig:
     checkpoint_every: int = _f(4, "Save a checkpoint every K steps (and at the end); 0 saves only at the end.")
     workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
     ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
+    ray_timeout: float = _f(600.0, "Seconds any wait on Ray may last (connecting, actors starting, a step's rollouts) before the run fails.")
     threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
     # --- rollout
     prompts_per_step: int = _f(12, "Distinct prompts per step.")
@@ -127,6 +128,7 @@ class TrainConfig:
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
         need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
+        need(0 < self.ray_timeout < float("inf"), f"ray_timeout: expected a finite number of seconds > 0, got {self.ray_timeout}")
         need(0 < self.clip_epsilon < 1, f"clip_epsilon: expected in (0, 1), got {self.clip_epsilon}")
         need(self.kl_target > 0, f"kl_target: expected > 0, got {self.kl_target}")
         need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
