@@ -50,3 +50,7 @@ def test_config_accepts_workers_and_refuses_negative_counts(tmp_path):
     assert tiny_cfg(tmp_path, workers=3).validate().workers == 3
     with pytest.raises(ValueError, match="workers: expected >= 0, got -1"):
         tiny_cfg(tmp_path, workers=-1).validate()
+    assert tiny_cfg(tmp_path, ray_timeout=0.5).validate().ray_timeout == 0.5
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"ray_timeout: expected a finite number of seconds > 0, got {bad}"):
+            tiny_cfg(tmp_path, ray_timeout=bad).validate()

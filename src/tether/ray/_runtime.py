@@ -56,6 +56,7 @@ __all__ = [
     "get_within",
     "is_loopback",
     "needs_ray",
+    "probe",
     "place_scorer",
     "remote_device",
     "require_ray",
@@ -254,6 +255,24 @@ def _dial_target(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def probe(host: str, port: int, timeout_s: float, what: str) -> None:
+    """Open (and close) a TCP connection to ``host:port`` within ``timeout_s``, or say why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except TimeoutError:
+        raise TimeoutError(
+            f"{what}: no answer from {host}:{port}, the address Ray dials for it, after {timeout_s:g} s. "
+            "Check that the cluster's head is up and reachable from here, or raise the timeout "
+            "(tether train: ray_timeout)."
+        ) from None
+    except OSError as exc:
+        raise ConnectionError(
+            f"{what}: nothing accepts connections at {host}:{port}, the address Ray dials for it "
+            f"({exc.strerror or exc}). Start the cluster there (ray start --head --port={port}), correct "
+            "the address, or leave it out to start a local cluster bound to 127.0.0.1."
+        ) from None
+
+
 def connect_cluster(address: Any, timeout_s: Any) -> None:
     """Join the existing Ray cluster at ``address``, or fail within ``timeout_s`` with the reason.
 
@@ -271,20 +290,7 @@ def connect_cluster(address: Any, timeout_s: Any) -> None:
     if ray.is_initialized():
         raise RuntimeError(f"connect_cluster({address!r}): this process is already connected to Ray.")
     host, port = _dial_target(address.strip())
-    where = f"{host}:{port}, where Ray would connect,"
-    try:
-        socket.create_connection((host, port), timeout=seconds).close()
-    except TimeoutError:
-        raise TimeoutError(
-            f"address={address!r}: no answer from {where} after {seconds:g} s. Check that the "
-            "cluster's head is up and reachable from here, or raise the timeout (tether train: ray_timeout)."
-        ) from None
-    except OSError as exc:
-        raise ConnectionError(
-            f"address={address!r}: nothing accepts connections at {where} ({exc.strerror or exc}). "
-            "Start the cluster (ray start --head --port=PORT), correct the address, or leave it out "
-            "to start a local cluster bound to 127.0.0.1."
-        ) from None
+    probe(host, port, seconds, f"Ray address {address!r}")
     ray.init(address=address.strip())
 
 
