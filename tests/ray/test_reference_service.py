@@ -202,6 +202,29 @@ def test_a_request_with_ids_past_the_vocabulary_fails_alone():
         service.shutdown()
 
 
+def test_a_batch_whose_forward_fails_is_scored_again_request_by_request():
+    """A scorer that fails on one token id (valid, so the arrival checks pass it): A and C are
+    clean, B holds that id; the three form one group, so one joint forward pass, which fails.
+    The service then scores each alone: B gets the scorer's error, A and C their log-probs
+    (equal to local scoring, 1e-6) from the first and second successful passes."""
+    requests = distinct_requests("ABC")
+    clean = {int(i) for n in "AC" for i in requests[n][0][requests[n][1]]}
+    bad_token = min({int(i) for i in requests["B"][0][requests["B"][1]]} - clean)  # "B" itself, say
+    service = ReferenceService(ref_model_factory=functools.partial(factories.picky_scorer, bad_token),
+                               max_wait_ms=120_000)
+    try:
+        client = service.client()
+        pending = {n: client.submit(*requests[n], request_id=n, group="g", group_rows=9) for n in "ABC"}
+        with pytest.raises(RuntimeError, match=f"cannot score token {bad_token}"):
+            pending["B"].reply(timeout_s=60)
+        replies = {n: pending[n].reply(timeout_s=60) for n in "AC"}
+        assert [replies[n].forward_index for n in "AC"] == [1, 2] and service.forward_calls() == 2
+        for name, reply in replies.items():
+            torch.testing.assert_close(reply.log_probs, local_log_probs(*requests[name]), rtol=0, atol=1e-6)
+    finally:
+        service.shutdown()
+
+
 @ray.remote(num_cpus=0.5)
 def group_member(client, tokens, mask, request_id):
     """A rollout worker sending its part of the 9-row group "g"."""

@@ -11,7 +11,9 @@ refused), when a caller calls ``flush()``, or when ``max_wait_ms`` has passed si
 meanwhile). The closed batch's rows, in request-id order, are packed into one right-padded
 grid and scored by a single ``TransformersWrapper.score`` call; each caller gets its own rows
 back in its own layout. ``load_weights`` runs on the same single thread as the forward passes,
-so a batch is scored wholly with the old weights or wholly with the new ones.
+so a batch is scored wholly with the old weights or wholly with the new ones. A batch whose
+joint forward pass fails anyway is scored again request by request, so the failure reaches only
+the requests that cause it.
 """
 
 from __future__ import annotations
@@ -225,17 +227,35 @@ class ReferenceServer:
                     pass
             self._wake.clear()
             batch = self._take()
+            outcomes = await self._score_batch(loop, [w.request for w in batch])
+            for waiting, outcome in zip(batch, outcomes):
+                self._in_flight.pop(waiting.request.request_id, None)
+                if isinstance(outcome, Exception):
+                    waiting.future.set_exception(outcome)
+                else:
+                    self._remember(_Answer(outcome, waiting.digest))
+                    waiting.future.set_result(outcome)
+
+    async def _score_batch(self, loop: asyncio.AbstractEventLoop,
+                           requests: list[ScoreRequest]) -> list[ScoreReply | Exception]:
+        """Each request's reply, or the error that stopped it.
+
+        When the joint forward pass fails, every request is scored again on its own: a failure
+        the arrival checks cannot foresee (too long for the model, say) reaches only the
+        requests that cause it.
+        """
+        try:
+            return await loop.run_in_executor(self._executor, self._forward, requests)
+        except Exception as exc:
+            if len(requests) == 1:
+                return [exc]
+        outcomes: list[ScoreReply | Exception] = []
+        for request in requests:
             try:
-                replies = await loop.run_in_executor(self._executor, self._forward, [w.request for w in batch])
-            except Exception as exc:  # every caller of the failed batch gets the error
-                for waiting in batch:
-                    self._in_flight.pop(waiting.request.request_id, None)
-                    waiting.future.set_exception(exc)
-                continue
-            for waiting, reply in zip(batch, replies):
-                self._remember(_Answer(reply, waiting.digest))
-                self._in_flight.pop(reply.request_id, None)
-                waiting.future.set_result(reply)
+                outcomes.extend(await loop.run_in_executor(self._executor, self._forward, [request]))
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def _remember(self, answer: _Answer) -> None:
         self._answers[answer.reply.request_id] = answer
