@@ -55,6 +55,7 @@ __all__ = [
     "get_or_create_actor",
     "get_within",
     "is_loopback",
+    "kill_if_connected",
     "needs_ray",
     "probe",
     "place_scorer",
@@ -94,6 +95,17 @@ def needs_ray(method: Callable) -> Callable:
         return method(self, *args, **kwargs)
 
     return checked
+
+
+def kill_if_connected(*actors: Any) -> None:
+    """Kill ``actors`` for good; without a Ray connection do nothing.
+
+    Non-detached actors end with the connection that owned them, and ``ray.kill`` without
+    one would start a new local cluster, so a shutdown after ``ray.shutdown()`` is a no-op.
+    """
+    if ray.is_initialized():
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
 
 
 def is_loopback(host: str) -> bool:

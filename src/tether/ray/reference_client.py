@@ -21,7 +21,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from ray.exceptions import RayActorError
 from torch import Tensor

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import ray
 import torch
 from torch import Tensor
 
@@ -33,6 +32,7 @@ from tether.ray._runtime import (
     check_seconds,
     get_or_create_actor,
     get_within,
+    kill_if_connected,
     needs_ray,
     remote_device,
     require_ray,
@@ -170,16 +170,11 @@ class ReferenceService:
         return self._call("load_weights", state, version)
 
     def shutdown(self) -> None:
-        """Kill the actor for good (no restart); later calls do nothing.
-
-        Without a Ray connection it does nothing: the actor ended with the connection that
-        owned it, and ``ray.kill`` would start a new local cluster.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        if ray.is_initialized():
-            ray.kill(self.actor, no_restart=True)
+        """Kill the actor for good (no restart); later calls, and calls after ``ray.shutdown()``,
+        do nothing (see ``kill_if_connected``)."""
+        if not self._closed:
+            self._closed = True
+            kill_if_connected(self.actor)
 
     def __repr__(self) -> str:
         return f"ReferenceService(actor_name={self.actor_name!r}, limits={self.limits})"

@@ -49,6 +49,7 @@ from tether.ray._runtime import (
     check_seconds,
     get_or_create_actor,
     get_within,
+    kill_if_connected,
     needs_ray,
     place_scorer,
     remote_device,
@@ -164,7 +165,7 @@ class _RayTransform(TensorDictModuleBase):
                 "method). Pick another actor_name for this transform."
             ) from None
         [info] = wait_ready([describe.remote()], what=type(self).__name__, timeout_s=ready_timeout_s,
-                            resources=options, on_timeout=lambda: ray.kill(lookup.handle) if lookup.created else None)
+                            resources=options, on_timeout=lambda: kill_if_connected(lookup.handle) if lookup.created else None)
         if info.kind != self.kind:
             raise TypeError(
                 f"actor_name={actor_name!r}: that actor hosts a {info.kind}, not a {self.kind}. "
@@ -208,16 +209,11 @@ class _RayTransform(TensorDictModuleBase):
         return td
 
     def shutdown(self) -> None:
-        """Kill the hosting actor, for every transform sharing it; later calls do nothing.
-
-        Without a Ray connection it does nothing: the actor ended with the connection that
-        owned it, and ``ray.kill`` would start a new local cluster.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        if ray.is_initialized():
-            ray.kill(self.actor)
+        """Kill the hosting actor, for every transform sharing it; later calls, and calls
+        after ``ray.shutdown()``, do nothing (see ``kill_if_connected``)."""
+        if not self._closed:
+            self._closed = True
+            kill_if_connected(self.actor)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, actor_id={self.actor_id!r}, actor_name={self.actor_name!r}"

@@ -45,7 +45,15 @@ from tether.llm import chat_batch
 from tether.llm.keys import REFERENCE_LOG_PROBS
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.batch_io import read_objects, write_objects
-from tether.ray._runtime import actor_resources, check_seconds, get_within, needs_ray, require_ray, wait_ready
+from tether.ray._runtime import (
+    actor_resources,
+    check_seconds,
+    get_within,
+    kill_if_connected,
+    needs_ray,
+    require_ray,
+    wait_ready,
+)
 from tether.ray.reference_client import ReferenceClient
 from tether.ray.reference_service import ReferenceService
 
@@ -376,10 +384,8 @@ class RolloutPool:
         if self._closed:
             return
         self._closed = True
-        if ray.is_initialized():  # ray.kill without a connection would start a new local cluster
-            for worker in self.workers:
-                ray.kill(worker)
-            self.service.shutdown()
+        kill_if_connected(*self.workers)
+        self.service.shutdown()
         self.workers = []
         if self.owns_ray:
             ray.shutdown()
