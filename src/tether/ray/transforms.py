@@ -164,8 +164,9 @@ class _RayTransform(TensorDictModuleBase):
                 f"actor_name={actor_name!r}: that actor is not a transform host (it has no describe() "
                 "method). Pick another actor_name for this transform."
             ) from None
+        leftover = (lookup.handle,) if lookup.created else ()  # a shared actor found by name stays
         [info] = wait_ready([describe.remote()], what=type(self).__name__, timeout_s=ready_timeout_s,
-                            resources=options, on_timeout=lambda: kill_if_connected(lookup.handle) if lookup.created else None)
+                            resources=options, on_timeout=lambda: kill_if_connected(*leftover))
         if info.kind != self.kind:
             raise TypeError(
                 f"actor_name={actor_name!r}: that actor hosts a {info.kind}, not a {self.kind}. "

@@ -316,8 +316,8 @@ class RolloutPool:
                 return ray.get(pending)
             if left <= 0:
                 raise TimeoutError(
-                    f"{type(self).__name__}.rollout: the shards of {len(waiting)} of {len(pending)} workers "
-                    f"not back after {self.timeout_s:g} s. The workers or the reference service "
+                    f"{type(self).__name__}.rollout: {len(waiting)} of the {len(pending)} workers' shards "
+                    f"are not back after {self.timeout_s:g} s. The workers or the reference service "
                     "may be stuck or overloaded; check their logs, or raise timeout_s (tether train: ray_timeout)."
                 )
             # A new instance never sees the rows its predecessor answered, so the step's group
