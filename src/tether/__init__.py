@@ -7,3 +7,10 @@ Layers, bottom to top (a layer may import only those below it):
 """
 
 __version__ = "0.1.0"
+
+import warnings as _warnings
+
+from tether._compat import version_problems as _version_problems
+
+for _problem in _version_problems():
+    _warnings.warn(_problem, RuntimeWarning, stacklevel=2)

@@ -34,8 +34,8 @@ def test_input_is_copied():
     [
         ({"role": "user", "content": "x"}, TypeError, "chats: expected a list of chats"),
         ([{"role": "user", "content": "x"}], TypeError, r"chats\[0\].*Wrap a single chat"),
-        ([[{"content": "x"}]], TypeError, r"chats\[0\]\[0\].*'role' and 'content'"),
-        ([[]], TypeError, r"chats\[0\]: expected a non-empty list"),
+        ([[{"content": "x"}]], KeyError, r"chats\[0\]\[0\].*'role' and 'content'"),
+        ([[]], ValueError, r"chats\[0\] is empty"),
         ([], ValueError, "at least one chat"),
     ],
 )

@@ -168,14 +168,14 @@ def test_tokenizer_without_template_is_refused():
 @pytest.mark.parametrize(
     ("chats", "error", "pattern"),
     [
-        ("hello", TypeError, "chats must be a list of chats, got str"),
-        (CHAT, TypeError, r"chats\[0\] is a message dict.*wrap a single chat as \[chat\]"),
+        ("hello", TypeError, "chats: expected a list of chats .*got str"),
+        (CHAT, TypeError, r"chats\[0\] is a message dict.*Wrap a single chat in a list: \[chat\]"),
         ([[]], ValueError, r"chats\[0\] is empty"),
-        ([CHAT, "hi"], TypeError, r"chats\[1\] must be a list of message dicts, got str"),
-        ([[("user", "hi")]], TypeError, r"chats\[0\]\[0\] must be a dict"),
+        ([CHAT, "hi"], TypeError, r"chats\[1\]: expected a list of message dicts, got str"),
+        ([[("user", "hi")]], TypeError, r"chats\[0\]\[0\]: expected a dict"),
         ([[{"role": "user"}]], KeyError, r"chats\[0\]\[0\] lacks \['content'\]"),
-        ([[{"role": "user", "content": ["hi"]}]], TypeError, r"chats\[0\]\[0\]\['content'\] must be a str"),
-        ([[{"role": None, "content": "hi"}]], TypeError, r"chats\[0\]\[0\]\['role'\] must be a str"),
+        ([[{"role": "user", "content": ["hi"]}]], TypeError, r"chats\[0\]\[0\]\['content'\]: expected a str"),
+        ([[{"role": None, "content": "hi"}]], TypeError, r"chats\[0\]\[0\]\['role'\]: expected a str"),
     ],
 )
 def test_bad_chats_name_the_index(chats, error, pattern):

@@ -177,5 +177,5 @@ def test_errors(setup):
     w = TransformersWrapper(model, tok, generate=False)
     with pytest.raises(KeyError, match="history.*full"):
         w(TensorDict(batch_size=[1]))
-    with pytest.raises(TypeError, match="role"):
+    with pytest.raises(KeyError, match="role"):
         w(chat_td([[{"content": "x"}]], "full"))

@@ -165,3 +165,27 @@ def test_in_and_out_keys(actor):
     assert loss.out_keys[:4] == ["loss_objective", "clip_fraction", "kl_approx", "ESS"]
     assert set(GRPOLoss(actor).in_keys) == set(loss.in_keys) - {("ref_log_probs", "full")}
     assert batch(actor)["advantage"].dtype == F64
+
+
+def test_token_terms_reduce_to_forward_and_refuse_mismatched_parts(actor):
+    """``forward == reduce(token_terms)``; terms of the two rows concatenated reduce to the same
+    diagnostics; ``cat`` refuses an empty list and parts with different terms present; reduce
+    refuses KL terms whose coefficient was switched off since they were computed."""
+    from tether.objectives import GRPOTokenTerms
+
+    td = batch(actor)
+    loss = GRPOLoss(actor, kl_to_ref_coeff=0.1)
+    out = loss(td)
+    rows = GRPOTokenTerms.cat([loss.token_terms(td[i : i + 1]).detach() for i in range(2)])
+    again = loss.reduce(rows)
+    for name in ("loss_objective", "clip_fraction", "kl_approx", "ESS", "entropy", "loss_kl_to_ref", "kl_to_ref"):
+        torch.testing.assert_close(getattr(again, name), getattr(out, name).detach(), rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="at least one"):
+        GRPOTokenTerms.cat([])
+    plain = GRPOLoss(actor).token_terms(td)
+    with pytest.raises(ValueError, match="kl_to_ref_term.*some micro-batches"):
+        GRPOTokenTerms.cat([plain, loss.token_terms(td)])
+    terms = loss.token_terms(td)
+    loss.kl_coef = None
+    with pytest.raises(ValueError, match="kl_to_ref_coeff is None"):
+        loss.reduce(terms)

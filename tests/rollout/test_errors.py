@@ -145,3 +145,20 @@ def test_stepwise_views_needs_a_rollout_and_mask_label_an_int_pad():
     batch = prompt_batch(**BATCH, pad=259)
     with pytest.raises(TypeError, match="pad_token_id: expected an int"):
         batch.mask_label(None)
+
+
+def test_wrapper_resolves_special_ids_by_the_same_policy(parts):
+    """TransformersWrapper and RolloutFromModel share one policy: explicit ids win, then the
+    tokenizer, then the configs; a model with no pad id anywhere is an error naming the wrapper
+    and the keyword (an earlier wrapper silently padded with the smallest eos id)."""
+    from tether.models import TransformersWrapper
+
+    tok, model, _ = parts
+    wrapper = TransformersWrapper(model, tok, generate=False)
+    assert wrapper.eos_ids == {258} and wrapper.pad_id == 259
+    bare = model_without_special_ids(tok)
+    bare.config.eos_token_id = 258
+    with pytest.raises(ValueError, match=r"pad_token_id: none given.*Pass pad_token_id=<id> to TransformersWrapper"):
+        TransformersWrapper(bare, input_mode="tokens", generate=False)
+    explicit = TransformersWrapper(bare, input_mode="tokens", generate=False, pad_token_id=258, eos_token_id=[256, 258])
+    assert explicit.eos_ids == {256, 258} and explicit.pad_id == 258

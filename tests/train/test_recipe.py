@@ -160,3 +160,35 @@ def test_cli_help_lists_field_docs(capsys):
         main(["train", "--help"])
     text = capsys.readouterr().out
     assert "--prompts-per-step" in text and "Distinct prompts per step." in text
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
+def test_logged_diagnostics_equal_one_full_batch_call_off_policy(tmp_path, aggregation):
+    """Micro-batch sizes 1, 3 and 6 log the diagnostics of one full-batch ``GRPOLoss`` call.
+
+    The sampling log-probs are shifted by a per-token offset inside the assistant mask and the
+    advantages have both signs, so the ratios are not 1, the clip acts and ESS < 1. ESS = (sum w)^2 / (n sum w^2) of the whole
+    batch is not a token-weighted mean of micro-batch ESS values (averaging per-row ESS over
+    rows of different weights overstates it), so only a reduction over the concatenated
+    per-token terms can match it.
+    """
+    run = build_run(tiny_cfg(tmp_path / "run", aggregation=aggregation, kl_coef=0.3))
+    batch, problems = rollout(run, 0)
+    rewards, _ = score_rewards(run, batch, problems, 0)
+    add_advantages(run, batch, rewards)
+    mask = batch["masks", "all_assistant_mask"]
+    offset = torch.linspace(-0.6, 0.6, mask.numel()).reshape(mask.shape) * mask
+    batch.set(("log_probs", "full"), batch["log_probs", "full"] + offset)
+    signs = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None]  # so that both clip sides act
+    batch.set("advantage", signs.expand_as(mask) * mask)
+    with torch.no_grad():
+        full = run.loss(batch)
+    assert float(full.ESS) < 0.99 and float(full.clip_fraction) > 0
+    expected = {"ESS": full.ESS, "clip_fraction": full.clip_fraction, "entropy": full.entropy,
+                "kl_to_ref": full.kl_to_ref, "loss": full.total_loss()}
+    for micro in (1, 3, batch.shape[0]):
+        run.cfg.micro_batch_size = micro
+        logged = accumulate_gradients(run, batch)
+        assert logged.keys() == expected.keys()
+        for name, value in expected.items():
+            assert logged[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), (micro, name)

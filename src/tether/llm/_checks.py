@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from tether.models import TransformersWrapper
-from tether.ops import KL_ESTIMATORS
+from tether.ops import KL_ESTIMATORS, PADDING_SIDES
+from tether.ops.registry import lookup
 
-PADDING_SIDES = ("left", "right")
 
 
 def check_coef(name: str, value: Any) -> float:
@@ -30,16 +30,12 @@ def check_coef(name: str, value: Any) -> float:
 
 
 def check_padding_side(value: Any) -> str:
-    if value not in PADDING_SIDES:
-        raise ValueError(f"padding_side: expected one of {PADDING_SIDES}, got {value!r}.")
+    lookup(PADDING_SIDES, value, "padding_side")
     return value
 
 
 def check_estimator(value: Any) -> str:
-    if value not in KL_ESTIMATORS:
-        raise ValueError(
-            f"estimator: expected one of {sorted(KL_ESTIMATORS)}, got {value!r}."
-        )
+    lookup(KL_ESTIMATORS, value, "estimator")
     return value
 
 

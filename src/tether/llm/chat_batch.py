@@ -8,7 +8,8 @@ from tensordict import TensorDict
 from tensordict.utils import NestedKey
 
 from tether.llm._token_grid import as_key
-from tether.models.batch_io import validate_chats, write_objects
+from tether.models.batch_io import write_objects
+from tether.models.chat import validate_chats
 
 
 def chat_batch(
@@ -27,7 +28,8 @@ def chat_batch(
 
     Raises:
         TypeError: ``chats`` is not a list of lists of message dicts, or ``key`` is not a key.
-        ValueError: ``chats`` is empty.
+        ValueError: ``chats`` or one of its chats is empty.
+        KeyError: a message lacks ``role`` or ``content``.
     """
     key = as_key("key", key)
     checked = validate_chats(chats, name="chats")

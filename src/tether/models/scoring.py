@@ -13,12 +13,16 @@ optionally the entropy of that predictive distribution) without ever materialisi
   computes the head in chunks and recomputes them in backward.
 
 Models whose logits are not a plain linear head of the last hidden state (final-logit
-soft-capping, logit scaling) are scored through their own ``logits`` one micro-batch at a
-time instead; that path is exact but keeps one micro-batch of logits alive.
+soft-capping, logit scaling, anything else a model class does after its head) are scored
+through their own ``logits`` one micro-batch at a time instead; that path is exact but keeps
+one micro-batch of logits alive. Which path a model takes is decided once per model by
+comparing its own logits with ``head(decoder(...))`` on a short probe sequence, so an
+unknown architecture is never scored through a head it does not use.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -40,8 +44,10 @@ from tether.ops import (
 # pads every row to the batch's longest; per-token cost is flat above a few hundred tokens.
 DEFAULT_TOKEN_BUDGET = 1024
 
-# Config attributes that mean "logits are not just lm_head(hidden)".
-_NONLINEAR_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+# Per model: does ``model(...).logits`` equal ``lm_head(decoder(...))``? Probed once.
+_LINEAR_HEAD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+# Probe logits must agree to float rounding: a soft-cap or scale moves them far more.
+_PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,34 @@ def causal_lm_parts(model: nn.Module) -> CausalLMParts:
             f"got {type(model).__name__} whose get_output_embeddings() is {head!r}. "
             "Pass an AutoModelForCausalLM (or a PEFT model wrapping one)."
         )
-    config = getattr(inner, "config", None)
-    nonlinear = any(getattr(config, a, None) not in (None, 1.0) for a in _NONLINEAR_HEAD_ATTRS)
-    decoder = None
-    if not nonlinear and hasattr(inner, "get_decoder"):
-        decoder = inner.get_decoder()
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    if decoder is not None:
+        if inner not in _LINEAR_HEAD:
+            _LINEAR_HEAD[inner] = _head_is_linear(inner, decoder, head)
+        decoder = decoder if _LINEAR_HEAD[inner] else None
     return CausalLMParts(model=model, decoder=decoder, head=head)
+
+
+def _head_is_linear(model: nn.Module, decoder: nn.Module, head: nn.Module) -> bool:
+    """Whether the model's logits are ``head(decoder(ids))`` on a short probe sequence.
+
+    Run in eval mode (dropout would make two passes differ) without gradients; the training
+    flags are restored afterwards. The probe ids are the first few of the vocabulary.
+    """
+    ids = torch.arange(min(4, head.weight.shape[0]), device=head.weight.device)[None, :]
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
+            mine = head(decoder(input_ids=ids).last_hidden_state).float()
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    if logits.shape != mine.shape:
+        return False
+    rtol = _PROBE_RTOL.get(head.weight.dtype, 1e-2)
+    return bool(torch.allclose(logits, mine, rtol=rtol, atol=rtol * float(mine.abs().max().clamp_min(1e-30))))
 
 
 def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from tether._compat import cache_layers, new_cache
 from tether.ops import TokenStats, token_stats_from_hidden
 
 
@@ -97,13 +98,6 @@ def _positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _cache_supported(cache) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
-
-
 def score_with_shared_prefix(
     decoder: nn.Module,
     head: nn.Module,
@@ -121,8 +115,6 @@ def score_with_shared_prefix(
     Returns None when the decoder's cache is not a plain ``DynamicCache`` (sliding-window
     or hybrid layers), in which case the caller must score without sharing.
     """
-    from transformers import DynamicCache
-
     batch, width = tokens.shape
     device = head.weight.device
     mask = attention_mask.bool()
@@ -148,14 +140,14 @@ def score_with_shared_prefix(
         same = (prefix_len == length).nonzero().flatten()
         for begin in range(0, same.numel(), max(1, token_budget // length)):
             chunk = same[begin : begin + max(1, token_budget // length)]
-            cache = DynamicCache()
+            cache = new_cache()
             out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
-            if not _cache_supported(cache):
+            layers = cache_layers(cache)
+            if layers is None:
                 return None
             pad = cut - length
             hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
-            kv_parts.append([(F.pad(layer.keys, (0, 0, pad, 0)), F.pad(layer.values, (0, 0, pad, 0)))
-                             for layer in cache.layers])
+            kv_parts.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in layers])
             order.append(chunk)
     back = torch.argsort(torch.cat(order))  # chunk order -> representative order
     prefix_hidden = torch.cat(hidden_parts)[back]  # [U, P, H]
@@ -191,7 +183,7 @@ def score_with_shared_prefix(
         which = split.inverse[rows]
         valid = mask[rows, cut : cut + longest]
         ids = tokens[rows, cut : cut + longest].masked_fill(~valid, 0)  # pad ids may be out of range
-        cache = DynamicCache(ddp_cache_data=[(k[which], v[which]) for k, v in prefix_kv])
+        cache = new_cache([(k[which], v[which]) for k, v in prefix_kv])
         hidden = decoder(
             input_ids=ids,
             attention_mask=torch.cat([mask[rows, :cut], valid], dim=1).long(),

@@ -40,9 +40,11 @@ from tether.models.batch_io import (
     write_ragged,
 )
 from tether.models.chat import tokenize_chats
-from tether.models.sampling import sample_responses
+from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
+from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import TokenStats, mask_from_lengths
+from tether.ops._vocab_checks import check_temperature, check_token_ids
 
 INPUT_MODES = ("history", "text", "tokens")
 _GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator"}
@@ -71,15 +73,6 @@ def _stack_rows(rows: list[Tensor], padding_side: str, fill: int | bool) -> tupl
     return out, mask
 
 
-def _id_set(*values: Any) -> set[int]:
-    ids: set[int] = set()
-    for v in values:
-        if v is None:
-            continue
-        ids.update([int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)])
-    return ids
-
-
 class TransformersWrapper(TensorDictModuleBase):
     """Sample from or score with an HF causal LM on TensorDicts.
 
@@ -103,6 +96,9 @@ class TransformersWrapper(TensorDictModuleBase):
         token_budget: most ``rows * longest_row`` tokens in one scoring forward pass.
         share_prefix: when rows share a prompt (GRPO groups), score each distinct prompt
             once and the responses on top of its cache (``tether.models.shared_prefix``).
+        eos_token_id, pad_token_id: override the ids found on the tokenizer / model configs
+            (``tether.models.special_ids``); a model with no pad id anywhere needs
+            ``pad_token_id`` (the eos id is a common choice).
     """
 
     def __init__(
@@ -122,6 +118,8 @@ class TransformersWrapper(TensorDictModuleBase):
         padding_side: str = "left",
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         share_prefix: bool = True,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> None:
         super().__init__()
         if input_mode not in INPUT_MODES:
@@ -131,8 +129,7 @@ class TransformersWrapper(TensorDictModuleBase):
                 f"tokenizer: input_mode={input_mode!r} needs a tokenizer to render and encode "
                 "inputs, got None. Pass the model's tokenizer or use input_mode='tokens'."
             )
-        if not temperature > 0:
-            raise ValueError(f"temperature: expected a positive float, got {temperature}.")
+        check_temperature(temperature)
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
         unknown = set(generate_kwargs or {}) - _GENERATE_OPTIONS
@@ -141,6 +138,13 @@ class TransformersWrapper(TensorDictModuleBase):
                 f"generate_kwargs: unsupported options {sorted(unknown)}; supported: "
                 f"{sorted(_GENERATE_OPTIONS)}."
             )
+        options = {"max_new_tokens": _DEFAULT_MAX_NEW_TOKENS, **(generate_kwargs or {})}
+        check_sampling_options(
+            temperature=temperature,
+            max_new_tokens=options["max_new_tokens"],
+            top_k=options.get("top_k"),
+            top_p=options.get("top_p"),
+        )
         self.model = model
         self.tokenizer = tokenizer
         self.input_mode = input_mode
@@ -155,7 +159,8 @@ class TransformersWrapper(TensorDictModuleBase):
         self.token_budget = token_budget
         self.share_prefix = share_prefix
         self._device = torch.device(device) if device is not None else None
-        self.eos_ids, self.pad_id = self._special_ids(model, tokenizer)
+        self.eos_ids = set(resolve_eos_ids(eos_token_id, model, tokenizer, owner="TransformersWrapper"))
+        self.pad_id = resolve_pad_id(pad_token_id, model, tokenizer, owner="TransformersWrapper")
         stage = "prompt" if generate else "full"
         self.in_keys = [(input_mode, stage)]
         out = [("tokens", "full"), ("masks", "all_attention_mask"), ("masks", "all_assistant_mask")]
@@ -164,25 +169,6 @@ class TransformersWrapper(TensorDictModuleBase):
         if return_log_probs:
             out += [(log_probs_key, "full")] + ([(log_probs_key, "response")] if generate else [])
         self.out_keys = out
-
-    @staticmethod
-    def _special_ids(model: nn.Module, tokenizer: Any) -> tuple[set[int], int]:
-        gen = getattr(model, "generation_config", None)
-        cfg = getattr(model, "config", None)
-        eos = _id_set(
-            getattr(tokenizer, "eos_token_id", None),
-            getattr(gen, "eos_token_id", None),
-            getattr(cfg, "eos_token_id", None),
-        )
-        if not eos:
-            raise ValueError(
-                "tokenizer/model: no eos token id found on the tokenizer, generation_config or "
-                "config. Set model.generation_config.eos_token_id."
-            )
-        pads = [getattr(tokenizer, "pad_token_id", None), getattr(gen, "pad_token_id", None),
-                getattr(cfg, "pad_token_id", None)]
-        pad = next((int(p) for p in pads if p is not None), min(eos))
-        return eos, pad
 
     @property
     def device(self) -> torch.device:
@@ -254,6 +240,7 @@ class TransformersWrapper(TensorDictModuleBase):
     def _encode_tokens(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
         mask_key = ("masks", "all_attention_mask" if stage == "full" else "prompt_attention_mask")
         ids, mask = read_ragged(td, ("tokens", stage), mask_key)
+        check_token_ids(repr(("tokens", stage)), ids)
         ids, mask = repack(ids, mask, padding_side)
         assistant = None
         prompt_lengths = None
@@ -274,7 +261,7 @@ class TransformersWrapper(TensorDictModuleBase):
             self.model,
             prompt.ids.to(self.device),
             prompt.mask.to(self.device),
-            max_new_tokens=int(opts["max_new_tokens"]),
+            max_new_tokens=opts["max_new_tokens"],
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
             temperature=self.temperature,

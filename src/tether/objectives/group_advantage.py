@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from tether.ops import ADVANTAGE_MODES, STD_MODES, group_advantages, reward_to_go
+from tether.ops.registry import lookup
 
 
 def _unit_scale(totals: Tensor, index: Tensor, counts: Tensor, ddof: int, eps: float) -> Tensor:
@@ -59,9 +60,7 @@ _RETURN_SCALES: dict[str, Callable[[Tensor, Tensor, Tensor, int, float], Tensor]
 def check_advantage_options(mode: str, std: str) -> None:
     """Raise ``ValueError`` naming the supported values if ``mode`` or ``std`` is unknown."""
     for argument, value, table in (("mode", mode, ADVANTAGE_MODES), ("std", std, STD_MODES)):
-        if value not in table:
-            supported = ", ".join(repr(name) for name in table)
-            raise ValueError(f"{argument}={value!r} is not supported; choose one of: {supported}.")
+        lookup(table, value, argument)
 
 
 def _as_grid(rewards: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -36,7 +36,8 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, read_grpo_batch
-from tether.objectives.grpo_output import GRPOLossOutput
+from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
+from tether.ops.registry import lookup
 from tether.ops import (
     aggregate,
     clipped_surrogate,
@@ -157,8 +158,7 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"samples_mc_entropy must be an int >= 1; got {samples_mc_entropy!r}.")
         if isinstance(entropy_coeff, bool) or not isinstance(entropy_coeff, Real) or not math.isfinite(entropy_coeff):
             raise ValueError(f"entropy_coeff must be a finite number; got {entropy_coeff!r}.")
-        if ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level={ratio_level!r} is not supported; choose one of: {', '.join(map(repr, RATIO_LEVELS))}.")
+        lookup(RATIO_LEVELS, ratio_level, "ratio_level")
         self.actor_network = actor_network
         self.clip_epsilon = clip_epsilon
         self.dual_clip = dual_clip
@@ -246,6 +246,10 @@ class GRPOLoss(nn.Module):
     # ------------------------------------------------------------------ the loss
     def forward(self, td: TensorDictBase, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:
         """Loss terms and diagnostics of one (micro-)batch; ``td`` is left unchanged."""
+        return self.reduce(self.token_terms(td), denominator=denominator)
+
+    def token_terms(self, td: TensorDictBase) -> GRPOTokenTerms:
+        """Every loss term and diagnostic of ``td`` per token (``[B, T]``), not yet reduced."""
         batch = read_grpo_batch(
             td,
             self._tensor_keys,
@@ -261,10 +265,8 @@ class GRPOLoss(nn.Module):
         cur_all = stats.log_probs
         batch = batch.to(cur_all.device, cur_all.dtype)
         mask = batch.mask
-        cur = torch.where(mask, cur_all, torch.zeros_like(cur_all))
-        reduce = partial(aggregate, mask=mask, mode=self.aggregation, normalizer=self.normalizer, denominator=denominator)
-        mean = partial(aggregate, mask=mask, mode="token-mean")
-
+        zero = torch.zeros_like(cur_all)
+        cur = torch.where(mask, cur_all, zero)
         base = self._ratio_base(cur, batch)
         policy = clipped_surrogate(
             RATIO_LEVELS[self.ratio_level](cur, base, mask),
@@ -278,26 +280,55 @@ class GRPOLoss(nn.Module):
                 base, batch.sample_log_probs, mask, mode=self.importance_correction, cap=self.importance_cap
             )
         detached = cur.detach()
-        n_valid = mask.sum().clamp_min(1).to(cur.dtype)
-        out: dict[str, Tensor] = {
-            "loss_objective": reduce(per_token),
-            "clip_fraction": mean(policy.clipped.to(cur.dtype)),
-            "kl_approx": mean(base - detached),
-            "ESS": effective_sample_size(detached - batch.sample_log_probs, mask) / n_valid,
-        }
+        terms = GRPOTokenTerms(
+            mask=mask,
+            policy=per_token,
+            clipped=policy.clipped.to(cur.dtype),
+            ratio_gap=torch.where(mask, base - detached, zero),
+            log_weights=torch.where(mask, detached - batch.sample_log_probs, zero),
+        )
         if self.entropy_bonus:
-            entropy = torch.where(mask, stats.entropy.to(cur.dtype), torch.zeros_like(cur))
-            out["entropy"] = mean(entropy.detach())
+            entropy = torch.where(mask, stats.entropy.to(cur.dtype), zero)
             # At coefficient 0 the entropy is a diagnostic: keeping it out of the graph lets the
             # head's backward skip its vocabulary-wide entropy gradient.
-            out["loss_entropy"] = -self.entropy_coeff * reduce(entropy if self.entropy_coeff else entropy.detach())
+            terms.entropy = entropy if self.entropy_coeff else entropy.detach()
         if self.kl_to_ref_coeff is not None:
-            out["loss_kl_to_ref"], out["kl_to_ref"] = self._kl(cur, batch.ref_log_probs, batch, self.kl_to_ref_coeff, reduce)
+            terms.kl_to_ref_term, terms.kl_to_ref = self._kl(cur, batch.ref_log_probs, batch)
         if self.kl_to_inference_coeff is not None:
-            target = batch.sample_log_probs
-            out["loss_kl_to_inference"], out["kl_to_inference"] = self._kl(
-                cur, target, batch, self.kl_to_inference_coeff, reduce
-            )
+            terms.kl_to_inference_term, terms.kl_to_inference = self._kl(cur, batch.sample_log_probs, batch)
+        return terms
+
+    def reduce(self, terms: GRPOTokenTerms, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:
+        """``aggregate`` every term of ``terms`` into the loss's output record.
+
+        ``loss_*`` fields use the loss's aggregation mode (with ``denominator`` replacing its
+        outer count, see ``tether.ops.aggregate_denominator``); diagnostics are masked token
+        means, and ``ESS`` is the Kish effective sample size of the rows passed in divided by
+        their valid-token count. Reducing the concatenation of micro-batches' detached terms
+        (``GRPOTokenTerms.cat``) gives the full batch's diagnostics exactly.
+        """
+        mask = terms.mask
+        reduce = partial(aggregate, mask=mask, mode=self.aggregation, normalizer=self.normalizer, denominator=denominator)
+        mean = partial(aggregate, mask=mask, mode="token-mean")
+        n_valid = mask.sum().clamp_min(1).to(terms.log_weights.dtype)
+        out: dict[str, Tensor] = {
+            "loss_objective": reduce(terms.policy),
+            "clip_fraction": mean(terms.clipped),
+            "kl_approx": mean(terms.ratio_gap),
+            "ESS": effective_sample_size(terms.log_weights, mask) / n_valid,
+        }
+        if terms.entropy is not None:
+            out["entropy"] = mean(terms.entropy.detach())
+            out["loss_entropy"] = -self.entropy_coeff * reduce(terms.entropy)
+        for name, coeff in (("kl_to_ref", self.kl_to_ref_coeff), ("kl_to_inference", self.kl_to_inference_coeff)):
+            term, estimate = getattr(terms, f"{name}_term"), getattr(terms, name)
+            if term is not None:
+                if coeff is None:
+                    raise ValueError(
+                        f"GRPOLoss.reduce: the terms carry {name} but {name}_coeff is None now; reduce terms "
+                        f"with the coefficients they were computed for (set {name}_coeff first)."
+                    )
+                out[f"loss_{name}"], out[name] = coeff * reduce(term), mean(estimate)
         return GRPOLossOutput(**out, batch_size=[])
 
     def _ratio_base(self, cur: Tensor, batch: GRPOBatch) -> Tensor:
@@ -308,13 +339,14 @@ class GRPOLoss(nn.Module):
             return batch.old_log_probs
         return cur.detach()
 
-    def _kl(self, cur: Tensor, target: Tensor, batch: GRPOBatch, coeff: float, reduce: Callable) -> tuple[Tensor, Tensor]:
-        """(coeff * reduced KL loss term, masked mean of the KL estimate) against ``target``."""
+    def _kl(self, cur: Tensor, target: Tensor, batch: GRPOBatch) -> tuple[Tensor, Tensor]:
+        """Per-token (KL loss term, detached KL estimate) against ``target``, 0 outside the mask."""
         # The samples were drawn by the sampler, so its log-probs weight the importance form.
         old = batch.sample_log_probs if self.kl_correction == "importance" else None
         term = kl_loss_term(cur, target, estimator=self.kl_estimator, old_logp=old, correction=self.kl_correction)
         estimate = kl_estimate(cur.detach(), target, self.kl_estimator)
-        return coeff * reduce(term), aggregate(estimate, batch.mask, "token-mean")
+        zero = torch.zeros_like(cur)
+        return torch.where(batch.mask, term, zero), torch.where(batch.mask, estimate, zero)
 
     def extra_repr(self) -> str:
         return (

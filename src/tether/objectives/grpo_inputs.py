@@ -19,6 +19,7 @@ from torch import Tensor
 
 from tether.objectives._td import fetch, missing, present
 from tether.ops import nested_to_padded
+from tether.ops._vocab_checks import check_mask, check_same_device, check_token_ids
 
 
 @dataclass
@@ -110,6 +111,7 @@ def _on_grid(value: Tensor, key: NestedKey, attention: Tensor, nested_tokens: bo
 
 def _tokens(td: TensorDictBase, keys: GRPOKeys) -> tuple[Tensor, Tensor, bool]:
     tokens = _fetch(td, keys.action, "the token ids [B, T]", "Set it with loss.set_keys(action=...).")
+    check_token_ids(repr(keys.action), tokens)
     if tokens.is_nested:
         padded = nested_to_padded(tokens, padding_side="right")
         return padded.values.long(), padded.mask, True
@@ -120,9 +122,8 @@ def _tokens(td: TensorDictBase, keys: GRPOKeys) -> tuple[Tensor, Tensor, bool]:
         "Padded tokens need their mask (set it with loss.set_keys(attention_mask=...)).",
     )
     attention = _on_grid(attention, keys.attention_mask, torch.ones_like(tokens, dtype=torch.bool), False)
-    if attention.is_floating_point():
-        raise TypeError(f"{keys.attention_mask!r}: expected a bool or integer mask, got {attention.dtype}.")
-    return tokens.long(), attention.bool(), False
+    check_same_device(repr(keys.attention_mask), attention, repr(keys.action), tokens)
+    return tokens.long(), check_mask(repr(keys.attention_mask), attention), False
 
 
 def _check_finite(value: Tensor, mask: Tensor, key: NestedKey) -> None:
@@ -175,7 +176,9 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
         raise TypeError(f"tensordict: expected a TensorDict, got {type(td).__name__}.")
     tokens, attention, nested = _tokens(td, keys)
     loss_mask = _fetch(td, keys.loss_mask, "the mask of the tokens to train on", "Set it with loss.set_keys(loss_mask=...).")
-    mask = _on_grid(loss_mask, keys.loss_mask, attention, nested).bool() & attention
+    loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested)
+    check_same_device(repr(keys.loss_mask), loss_mask, repr(keys.action), attention)
+    mask = check_mask(repr(keys.loss_mask), loss_mask) & attention
     first = torch.where(attention.any(-1), attention.int().argmax(-1), torch.zeros_like(attention[:, 0], dtype=torch.long))
     if bool(mask.gather(1, first[:, None]).any()):
         raise ValueError(

@@ -92,7 +92,7 @@ class MCAdvantage(nn.Module):
     """Monte-Carlo group advantage over complete trajectories sharing a prompt.
 
     Args:
-        grpo_size: trajectories per prompt that make a group (>= 1; >= 2 for ``rloo``).
+        grpo_size: trajectories per prompt that make a group (>= 2).
         prompt_key: key of the prompt (string or chat) in the first step of a trajectory.
         rewards_key: key of the rewards: ``[L]`` / ``[L, 1]`` per step, or per token
             ``[L, T]`` / ``[L, T, 1]`` (padded, mask under ``mask_key``) or jagged.
@@ -120,11 +120,12 @@ class MCAdvantage(nn.Module):
         mask_key: NestedKey = ("masks", "all_assistant_mask"),
     ) -> None:
         super().__init__()
-        if isinstance(grpo_size, bool) or not isinstance(grpo_size, int) or grpo_size < 1:
-            raise ValueError(f"grpo_size must be an int >= 1 (trajectories per prompt); got {grpo_size!r}.")
+        if isinstance(grpo_size, bool) or not isinstance(grpo_size, int) or grpo_size < 2:
+            raise ValueError(
+                f"grpo_size must be an int >= 2 (trajectories per prompt); got {grpo_size!r}. A group "
+                "of one has no baseline: its advantage is 0 in every mode, so nothing would be learnt."
+            )
         check_advantage_options(mode, std)
-        if mode == "rloo" and grpo_size < 2:
-            raise ValueError("grpo_size must be >= 2 with mode='rloo' (the leave-one-out baseline needs a peer).")
         self.grpo_size = grpo_size
         self.prompt_key = prompt_key
         self.rewards_key = rewards_key

@@ -133,6 +133,42 @@ def check_head(
     check_same_device(bias_name, bias, weight_name, weight)
 
 
+def check_token_ids(name: str, ids: object) -> Tensor:
+    """``ids`` must be an integer tensor: float ids would be truncated, bools are masks."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(
+            f"{name} must be an integer tensor (torch.long), got dtype {ids.dtype}; "
+            f"store token ids as integers (e.g. {name}.long() once they are whole numbers)"
+        )
+    return ids
+
+
+def check_mask(name: str, mask: object) -> Tensor:
+    """Return ``mask`` as bool: bool as is, integers only if every entry is 0 or 1.
+
+    Float masks are refused rather than binarised (0.3 is neither in nor out); integer
+    masks (Hugging Face's attention masks) are accepted when exactly 0/1, which costs one
+    host read, and never for bool masks.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a bool tensor, got {type(mask).__name__}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(
+            f"{name} must be a bool (or 0/1 integer) mask, got dtype {mask.dtype}; float masks "
+            f"are refused, not rounded. Build it as bool, e.g. {name} > 0.5 if that is meant"
+        )
+    if mask.numel() and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(
+            f"{name} must hold only 0 and 1, got values in [{int(mask.min())}, {int(mask.max())}]; "
+            f"pass a bool mask"
+        )
+    return mask.bool()
+
+
 def check_labels(
     labels: object, lead_shape: torch.Size, vocab: int, device: torch.device, source: str
 ) -> Tensor:
@@ -141,13 +177,7 @@ def check_labels(
     The range check reads one boolean back to the host; it is the price of a clear error
     instead of an index failure deep inside ``gather``.
     """
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor of token ids, got {type(labels).__name__}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(
-            f"labels must be an integer tensor (torch.long), got dtype {labels.dtype}; "
-            "convert token ids with labels.long()"
-        )
+    check_token_ids("labels", labels)
     if labels.shape != lead_shape:
         raise ValueError(
             f"labels must have shape {tuple(lead_shape)} ({source}.shape[:-1]), got "

@@ -23,28 +23,36 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops._scaling import power_of_two_scale
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class _GroupStats:
     """Per-sample views of its group's statistics, all ``[N]``."""
 
-    centred: Tensor  # reward minus the group mean
+    centred: Tensor  # reward minus the group mean, divided by ``scale``
     count: Tensor  # group size
-    spread: Tensor  # group standard deviation (ddof from ``std``)
+    spread: Tensor  # group standard deviation (ddof from ``std``), divided by ``scale``
+    scale: Tensor  # the group's power of two, so that |reward / scale| < 2
 
 
 def _grpo(stats: _GroupStats, eps: float) -> Tensor:
-    return stats.centred / (stats.spread + eps)
+    # Both forms are (r - mean) / (std + eps); each is the one that cannot overflow:
+    # eps / scale is tiny for large rewards, centred * scale is tiny for small ones.
+    large = stats.centred / (stats.spread + eps / stats.scale)
+    small = stats.centred * stats.scale / (stats.spread * stats.scale + eps)
+    return torch.where(stats.scale >= 1, large, small)
 
 
 def _dr_grpo(stats: _GroupStats, eps: float) -> Tensor:
-    return stats.centred
+    return stats.centred * stats.scale
 
 
 def _rloo(stats: _GroupStats, eps: float) -> Tensor:
     # r_i - mean of the others = n / (n - 1) * (r_i - group mean).
     n = stats.count.to(stats.centred.dtype)
-    return stats.centred * n / (n - 1)
+    return stats.centred * n / (n - 1) * stats.scale
 
 
 ADVANTAGE_MODES: dict[str, Callable[[_GroupStats, float], Tensor]] = {
@@ -58,13 +66,6 @@ STD_MODES: dict[str, int] = {
     "unbiased": 1,
     "population": 0,
 }
-
-
-def _lookup(table: dict, name: object, argument: str):
-    if name not in table:
-        supported = ", ".join(repr(key) for key in table)
-        raise ValueError(f"{argument}={name!r} is not supported; choose one of: {supported}.")
-    return table[name]
 
 
 def _flat_groups(rewards: Tensor, group_ids: Tensor | None) -> tuple[Tensor, Tensor, int, Tensor | None]:
@@ -139,8 +140,8 @@ def group_advantages(
     Worked check: ``[1, 0, 1, 0]`` gives ``+-sqrt(3)/2`` (grpo, Bessel), ``+-1`` (population),
     ``+-0.5`` (dr_grpo), ``+-2/3`` (rloo).
     """
-    advantage = _lookup(ADVANTAGE_MODES, mode, "mode")
-    ddof = _lookup(STD_MODES, std, "std")
+    advantage = lookup(ADVANTAGE_MODES, mode, "mode")
+    ddof = lookup(STD_MODES, std, "std")
     if not isinstance(rewards, Tensor):
         raise TypeError(f"rewards must be a torch.Tensor; got {type(rewards).__name__}.")
     if not rewards.is_floating_point():
@@ -150,18 +151,37 @@ def group_advantages(
     counts = torch.zeros(groups, dtype=torch.long, device=flat.device).index_add_(0, index, torch.ones_like(index))
     if mode == "rloo":
         _check_rloo_sizes(counts, labels)
-    sums = torch.zeros(groups, dtype=flat.dtype, device=flat.device).index_add(0, index, flat)
-    centred = flat - (sums / counts.clamp_min(1))[index]
+    low = torch.zeros(groups, dtype=flat.dtype, device=flat.device).scatter_reduce(0, index, flat, "amin", include_self=False)
+    high = torch.zeros_like(low).scatter_reduce(0, index, flat, "amax", include_self=False)
+    scale = power_of_two_scale(torch.maximum(low.abs(), high.abs()))[index]
+    unit = flat / scale
+    sums = torch.zeros_like(low).index_add(0, index, unit)
+    centred = unit - (sums / counts.clamp_min(1))[index]
     squares = torch.zeros_like(sums).index_add(0, index, centred.square())
     spread = (squares / (counts - ddof).clamp_min(1)).sqrt()
-    low = torch.zeros_like(sums).scatter_reduce(0, index, flat, "amin", include_self=False)
-    high = torch.zeros_like(sums).scatter_reduce(0, index, flat, "amax", include_self=False)
 
-    stats = _GroupStats(centred=centred, count=counts[index], spread=spread[index])
+    stats = _GroupStats(centred=centred, count=counts[index], spread=spread[index], scale=scale)
     result = advantage(stats, eps)
     constant = (low == high)[index]
     result = torch.where(constant, torch.zeros_like(result), result)
+    _check_representable(result, flat, mode)
     return result.reshape(rewards.shape)
+
+
+def _check_representable(result: Tensor, rewards: Tensor, mode: str) -> None:
+    # One host read per batch of rewards: an advantage that does not fit the dtype
+    # (dr_grpo / rloo on rewards near its limit) must not reach the loss as inf.
+    if bool(torch.isfinite(result).all()):
+        return
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(
+            "rewards must be finite; got NaN or inf. Fix the reward function, or replace "
+            "failed rewards by a number before computing advantages."
+        )
+    raise ValueError(
+        f"mode={mode!r}: an advantage does not fit in {rewards.dtype} (rewards up to "
+        f"{float(rewards.abs().max()):.3g}); rescale the rewards or pass them as float64."
+    )
 
 
 def reward_to_go(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:

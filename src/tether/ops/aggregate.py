@@ -29,6 +29,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops._scaling import power_of_two_scale
+from tether.ops._vocab_checks import check_same_device
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class _Mode:
@@ -60,10 +64,7 @@ AGGREGATION_MODES: dict[str, _Mode] = {
 
 
 def _mode(mode: str) -> _Mode:
-    if mode not in AGGREGATION_MODES:
-        supported = ", ".join(repr(name) for name in AGGREGATION_MODES)
-        raise ValueError(f"mode={mode!r} is not supported; choose one of: {supported}.")
-    return AGGREGATION_MODES[mode]
+    return lookup(AGGREGATION_MODES, mode, "mode")
 
 
 def _check_mask(mask: Tensor) -> None:
@@ -75,7 +76,14 @@ def _check_mask(mask: Tensor) -> None:
 
 
 def _check_positive(name: str, value: Tensor | float | None) -> None:
-    if value is None or isinstance(value, Tensor):
+    if value is None:
+        return
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{name} must be a one-element real tensor or a number; got a {value.dtype} "
+                f"tensor of shape {tuple(value.shape)}. Pass aggregate_denominator(mask, mode)."
+            )
         return
     if not isinstance(value, Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be a positive number or a tensor; got {type(value).__name__}.")
@@ -118,11 +126,15 @@ def aggregate(
         normalizer: the constant per-row divisor of ``seq-mean-token-sum-norm`` (required
             there, ignored elsewhere); > 0.
         denominator: replaces the outer count (see ``aggregate_denominator``); default is
-            this batch's own count. Must be > 0 where the batch has valid tokens.
+            this batch's own count. A number must be > 0 (else ``ValueError``). A
+            one-element tensor is not read back to the host: 0 gives 0 when this batch has
+            nothing to add (the empty batch), any other count <= 0 gives NaN.
 
     Returns:
         Scalar tensor in the dtype of ``values`` (bool and integer values, e.g. a clip
         indicator, are promoted to the default float dtype); 0 when no token is valid.
+        Correctly rounded for all finite values: the means never overflow, and the
+        ``token-sum`` modes are ``inf`` only where the exact result exceeds the dtype.
 
     Worked check: loss 1 on a length-2 row and 2 on a length-4 row (``T = 4``) gives
     10/6 (token-mean), 1.5 (seq-mean-token-mean), 5 (seq-mean-token-sum) and 1.25
@@ -133,6 +145,7 @@ def aggregate(
     if not isinstance(values, Tensor) or values.shape != mask.shape:
         got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
         raise ValueError(f"values must be a tensor with the mask's shape {tuple(mask.shape)}; got {got}.")
+    check_same_device("mask", mask, "values", values)
     if spec.needs_normalizer and normalizer is None:
         raise ValueError(
             f"mode={mode!r} needs normalizer (a constant per-row divisor such as the maximal "
@@ -144,6 +157,11 @@ def aggregate(
     if not values.is_floating_point():
         values = values.to(torch.get_default_dtype())
     kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    # Reduce values / 2^e and multiply back: exact, and a mean of values near the dtype's
+    # limit no longer overflows in its sum.
+    top = kept.detach().abs().amax() if kept.numel() else kept.new_zeros(())
+    scale = power_of_two_scale(top)
+    kept = kept / scale
     if spec.row_stat is None:
         numerator = kept.sum()
     else:
@@ -151,6 +169,11 @@ def aggregate(
     if denominator is None:
         denominator = aggregate_denominator(mask, mode)
     count = torch.as_tensor(denominator, device=values.device)
-    # An empty (micro-)batch has numerator 0; dividing by 1 then keeps the result 0.
-    safe = torch.where(count > 0, count, torch.ones_like(count))
-    return numerator / safe.to(numerator.dtype)
+    # A count of 0 is an empty (micro-)batch: its numerator is 0 and so is the result. A
+    # tensor count is not read back (no host sync), so a count <= 0 with something to
+    # divide gives NaN instead of a plausible number.
+    positive = count > 0
+    result = numerator / torch.where(positive, count, torch.ones_like(count)).to(numerator.dtype)
+    valid_empty = (count == 0) & (numerator == 0)
+    result = torch.where(positive | valid_empty, result, torch.full_like(result, float("nan")))
+    return result * scale

@@ -20,12 +20,34 @@ return (reward-to-go), or by applying ``kl_loss_term`` to sequence-level log-pro
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
+
+
+# Taylor coefficients 1/(k+2)!, k = 0..13, of (e^d - 1 - d) / d^2; the first omitted term
+# is below 1e-19 relative for |d| < 1/2, under float64's rounding.
+_SERIES = tuple(1.0 / math.factorial(k + 2) for k in range(14))
+
+
+def _expm1_minus_identity(d: Tensor) -> Tensor:
+    """``e^d - 1 - d`` element-wise, accurate to a few ulps for every ``d``.
+
+    ``expm1(d) - d`` alone loses about ``log2(2/|d|)`` bits near 0 (the rounding error of
+    ``expm1(d) ~ d`` against a result ``~ d^2/2``), so small ``|d|`` uses the series.
+    """
+    small = d.abs() < 0.5
+    x = torch.where(small, d, torch.zeros_like(d))
+    series = torch.full_like(x, _SERIES[-1])
+    for coefficient in reversed(_SERIES[:-1]):
+        series = series * x + coefficient
+    return torch.where(small, x * x * series, torch.expm1(d) - d)
 
 
 def _check_pair(logp: Tensor, ref_logp: Tensor, names: tuple[str, str]) -> None:
@@ -91,7 +113,9 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = pi_ref/pi - 1 - log(pi_ref/pi), per token (Schulman's estimator).
 
-    Computed as ``expm1(d) - d`` with ``d = ref_logp - logp``, exact near ``d = 0``.
+    Computed as ``e^d - 1 - d`` with ``d = ref_logp - logp``: a Taylor series for
+    ``|d| < 1/2`` and ``expm1(d) - d`` beyond, so the relative error stays within a few
+    ulps everywhere, near ``d = 0`` included.
 
     Args:
         logp: ``[...]`` log pi of the sampled tokens.
@@ -112,8 +136,7 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     ``grad E_pi[k3] = grad KL(pi||pi_ref)``.
     """
     _check_pair(logp, ref_logp, ("logp", "ref_logp"))
-    d = ref_logp - logp
-    return torch.expm1(d) - d
+    return _expm1_minus_identity(ref_logp - logp)
 
 
 def kl_abs(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -146,13 +169,6 @@ KL_ESTIMATORS: dict[str, KLEstimator] = {
 }
 
 
-def _lookup(table: dict, name: object, argument: str) -> Callable:
-    if name not in table:
-        supported = ", ".join(repr(key) for key in table)
-        raise ValueError(f"{argument}={name!r} is not supported; choose one of: {supported}.")
-    return table[name]
-
-
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
     """Per-token KL estimate by name: ``KL_ESTIMATORS[estimator](logp, ref_logp)``.
 
@@ -164,7 +180,7 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor
     Returns:
         ``[...]`` per-token estimate.
     """
-    return _lookup(KL_ESTIMATORS, estimator, "estimator")(logp, ref_logp)
+    return lookup(KL_ESTIMATORS, estimator, "estimator")(logp, ref_logp)
 
 
 _REFUSED_AS_LOSS = {
@@ -180,14 +196,39 @@ _REFUSED_AS_LOSS = {
 }
 
 
-def _importance_k2(logp: Tensor, ref_logp: Tensor, weight: Tensor) -> Tensor:
+class _WeightedK3(torch.autograd.Function):
+    """``w * k3`` with ``w = exp(logp - old)``, differentiated w.r.t. ``logp`` only.
+
+    The weight stays in the graph, so ``grad(w k3)`` integrates to ``grad E_pi[k3] = grad
+    KL``. Autograd would form that gradient as ``w k3 + w (1 - e^d)``: two terms of size
+    ``e^d`` that cancel, leaving 0 in float32 from ``d ~ 22`` and ``inf - inf = NaN`` once
+    ``e^d`` overflows. They cancel exactly, to ``w * (logp - ref_logp)`` (the gradient of
+    ``sg(w) k2``), which backward returns directly; it is itself differentiable, so
+    double backward works.
+    """
+
+    @staticmethod
+    def forward(ctx, logp: Tensor, ref_logp: Tensor, old_logp: Tensor) -> Tensor:
+        ctx.save_for_backward(logp, ref_logp, old_logp)
+        # In float64 a small w times an e^d past float32's range is still exact; the
+        # element-wise [B, T] work is negligible next to the logits that produced logp.
+        logp64, ref64, old64 = (t.to(torch.float64) for t in (logp, ref_logp, old_logp))
+        value = torch.exp(logp64 - old64) * _expm1_minus_identity(ref64 - logp64)
+        return value.to(torch.promote_types(logp.dtype, ref_logp.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logp, ref_logp, old_logp = ctx.saved_tensors
+        return grad * torch.exp(logp - old_logp) * (logp - ref_logp), None, None
+
+
+def _importance_k3(logp: Tensor, ref_logp: Tensor, old_logp: Tensor) -> Tensor:
+    return _WeightedK3.apply(logp, ref_logp, old_logp)
+
+
+def _importance_k2(logp: Tensor, ref_logp: Tensor, old_logp: Tensor) -> Tensor:
     # The weight is a constant: only r * grad log pi is wanted, reweighted to pi.
-    return weight.detach() * kl_k2(logp, ref_logp)
-
-
-def _importance_k3(logp: Tensor, ref_logp: Tensor, weight: Tensor) -> Tensor:
-    # The weight stays in the graph: grad(w k3) integrates to grad E_pi[k3] = grad KL.
-    return weight * kl_k3(logp, ref_logp)
+    return torch.exp(logp - old_logp).detach() * kl_k2(logp, ref_logp)
 
 
 _IMPORTANCE_FORMS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
@@ -198,8 +239,7 @@ _IMPORTANCE_FORMS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 
 def _importance(estimator: str, logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None) -> Tensor:
     old = logp.detach() if old_logp is None else old_logp.detach()
-    weight = torch.exp(logp - old)
-    return _IMPORTANCE_FORMS[estimator](logp, ref_logp, weight)
+    return _IMPORTANCE_FORMS[estimator](logp, ref_logp, old)
 
 
 def _raw(estimator: str, logp: Tensor, ref_logp: Tensor, old_logp: Tensor | None) -> Tensor:
@@ -248,13 +288,20 @@ def kl_loss_term(
     Returns:
         ``[B, T]`` per-token term (any shape works; the output has the input's shape).
 
+    Range: the gradient w.r.t. ``logp`` is ``w * (logp - ref_logp)`` for both estimators,
+    computed without cancellation, so it is exact to rounding in float32 for log-ratios
+    of +-100 (and wherever ``w * r`` is representable). The value of k3 is ``w (e^d - 1 -
+    d)`` with ``d = ref_logp - logp``, formed in float64 and rounded once to the input
+    dtype: it is ``inf`` only where that number exceeds the dtype (``d > ~88.7`` in float32
+    on-policy), never NaN.
+
     Per-token terms summed over a sequence differentiate each token's KL at a fixed
     context; for the sequence-level KL gradient see the module docstring.
     """
     if estimator in _REFUSED_AS_LOSS:
         raise ValueError(f"estimator={estimator!r} cannot be used as a KL loss: {_REFUSED_AS_LOSS[estimator]}.")
-    _lookup(_IMPORTANCE_FORMS, estimator, "estimator")
-    apply = _lookup(KL_CORRECTIONS, correction, "correction")
+    lookup(_IMPORTANCE_FORMS, estimator, "estimator")
+    apply = lookup(KL_CORRECTIONS, correction, "correction")
     _check_pair(logp, ref_logp, ("logp", "ref_logp"))
     if old_logp is not None:
         _check_pair(logp, old_logp, ("logp", "old_logp"))

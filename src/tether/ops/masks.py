@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class Padded:
@@ -46,10 +48,7 @@ PADDING_SIDES: dict[str, Callable[[Tensor, int], Tensor]] = {
 
 
 def _side(padding_side: str) -> Callable[[Tensor, int], Tensor]:
-    if padding_side not in PADDING_SIDES:
-        supported = ", ".join(repr(name) for name in PADDING_SIDES)
-        raise ValueError(f"padding_side={padding_side!r} is not supported; choose one of: {supported}.")
-    return PADDING_SIDES[padding_side]
+    return lookup(PADDING_SIDES, padding_side, "padding_side")
 
 
 def _check_lengths(name: str, lengths: Tensor, total: int) -> None:

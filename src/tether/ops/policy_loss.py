@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops.registry import lookup
+
 
 @dataclass(frozen=True)
 class PolicyLoss:
@@ -198,10 +200,7 @@ def importance_weights(
         ``[B, T]`` detached weights; 0 at masked positions. Multiply the per-token policy
         loss by them.
     """
-    weigh = IMPORTANCE_WEIGHT_MODES.get(mode)
-    if weigh is None:
-        supported = ", ".join(repr(name) for name in IMPORTANCE_WEIGHT_MODES)
-        raise ValueError(f"mode={mode!r} is not supported; choose one of: {supported}.")
+    weigh = lookup(IMPORTANCE_WEIGHT_MODES, mode, "mode")
     if isinstance(cap, bool) or not isinstance(cap, Real) or not cap > 0:
         raise ValueError(f"cap must be a number > 0; got {cap!r}.")
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
@@ -218,8 +217,9 @@ def importance_weights(
 def effective_sample_size(log_weights: Tensor, mask: Tensor | None = None) -> Tensor:
     """Kish effective sample size ``(sum w)^2 / sum w^2`` from log-weights.
 
-    Computed as ``exp(2 logsumexp(lw) - logsumexp(2 lw))`` over the valid entries, so
-    log-weights of +-100 neither overflow nor underflow. Unnormalised weights are fine
+    Computed as ``exp(2 logsumexp(s) - logsumexp(2 s))`` over the valid entries with
+    ``s = lw - max(lw)``, so it is exact to rounding for every finite log-weight (1e38
+    included): only differences of log-weights matter. Unnormalised weights are fine
     (the ratio is scale-free).
 
     Args:
@@ -242,8 +242,10 @@ def effective_sample_size(log_weights: Tensor, mask: Tensor | None = None) -> Te
     flat = log_weights.reshape(-1)
     if mask is not None:
         flat = torch.where(mask.reshape(-1), flat, torch.full_like(flat, -math.inf))
-    first = torch.logsumexp(flat, dim=0)
-    second = torch.logsumexp(2.0 * flat, dim=0)
-    empty = torch.isneginf(first)
-    log_ess = torch.where(empty, torch.zeros_like(first), 2.0 * first - second)
-    return torch.where(empty, torch.zeros_like(first), torch.exp(log_ess))
+    top = flat.max() if flat.numel() else flat.new_full((), -math.inf)
+    empty = torch.isneginf(top)
+    # Shifting by the largest weight first keeps 2 * lw finite and the two log-sum-exps
+    # near 0, where their difference keeps its digits (unshifted, 1e7 + log 2 rounds away).
+    shifted = flat - torch.where(empty, torch.zeros_like(top), top)
+    log_ess = 2.0 * torch.logsumexp(shifted, dim=0) - torch.logsumexp(2.0 * shifted, dim=0)
+    return torch.where(empty, torch.zeros_like(top), torch.exp(log_ess))

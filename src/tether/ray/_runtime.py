@@ -31,15 +31,15 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
+from tether._compat import ray_cluster_mode_off, ray_dial_address
+
 try:
     import ray
-    from ray._private import ray_constants, services
 except ImportError as exc:  # Ray is an optional extra
     raise ImportError(
         "tether.ray needs Ray, which is not installed. Install the extra: pip install 'tether[ray]'."
@@ -144,11 +144,9 @@ def start_local_cluster(num_cpus: Any) -> None:
             "or call ray.shutdown() first."
         )
     # The node address is computed once, in this process, by get_node_ip_address (see the
-    # module docstring) and handed to GCS, raylet and workers; with the flag off it is the
-    # loopback. The flag is a module constant read from the environment at import time,
-    # so setting the environment variable now would be too late: patch it for this call.
-    # create=True: a release without the flag still starts, and the check below judges it.
-    with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False, create=True):
+    # module docstring) and handed to GCS, raylet and workers; with Ray's cluster flag off
+    # (tether._compat) it is the loopback, and the check below judges what was bound.
+    with ray_cluster_mode_off():
         ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address=_LOOPBACK)
     exposed = {what: host for what, host in _addresses().items() if not is_loopback(host)}
     if exposed:  # a Ray release that computes the address elsewhere: refuse rather than expose
@@ -255,7 +253,7 @@ def _dial_target(address: str) -> tuple[str, int]:
         target = address[len("ray://"):]
     else:  # Ray maps a loopback host to the machine's address and "auto" to the recorded cluster
         try:
-            target = services.canonicalize_bootstrap_address(address)
+            target = ray_dial_address(address)
         except (ValueError, ConnectionError) as exc:
             raise ValueError(
                 f"address={address!r}: expected HOST:PORT of a running Ray cluster's head (or "

@@ -2,7 +2,7 @@
 
 from tether.rollout.model_rollout import Generation, RolloutFromModel
 from tether.rollout.prompts import LABEL_IGNORE_INDEX, PromptBatch
-from tether.rollout.special_ids import resolve_eos_ids, resolve_pad_id
+from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.rollout.steps import EpisodeEnds, StepViews, episode_ends, stepwise_views
 
 __all__ = [

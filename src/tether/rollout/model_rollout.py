@@ -43,7 +43,7 @@ from tether.models.sampling import sample_responses
 from tether.models.scoring import score_tokens
 from tether.rollout._checks import check_generated, per_step, positive_int, real
 from tether.rollout.prompts import PromptBatch
-from tether.rollout.special_ids import resolve_eos_ids, resolve_pad_id
+from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.rollout.steps import StepViews, episode_ends, stepwise_views
 
 __all__ = ["Generation", "RolloutFromModel"]

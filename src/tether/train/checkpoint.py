@@ -6,17 +6,22 @@ A checkpoint directory ``checkpoints/step_NNNNNN/`` holds
 * ``reference.safetensors``: the reference weights, only when the reference moves (sync/EMA);
 * ``optimizer.safetensors`` + the param groups in ``state.json``;
 * ``rng.safetensors``: the global torch RNG and the sampling generator;
-* ``state.json``: step, data cursor, controller and reference-updater state.
+* ``state.json``: step, data cursor, controller and reference-updater state;
+* ``manifest.json``: the size and SHA-256 of every other file, written last.
 
 It is written to a temporary directory and renamed into place, then ``checkpoints/latest``
-is replaced, so a process killed at any point leaves the previous checkpoint intact. Only the
-newest checkpoint is kept. Nothing is pickled.
+is replaced, so a process killed at any point leaves the previous checkpoint intact. The
+newest ``keep`` checkpoints are kept, so one damaged file does not end a run: the manifest
+tells a damaged checkpoint (truncated, edited, a file missing) from an intact one, and
+``newest_intact`` picks the newest intact one. Nothing is pickled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +30,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_STATE_KEYS = ("step", "optimizer", "data_cursor", "controller")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is damaged, missing, or does not fit the model it is loaded into."""
 
 
 @dataclass
@@ -70,8 +84,9 @@ def save_checkpoint(
     state: dict[str, Any],
     rng: dict[str, torch.Tensor],
     reference: nn.Module | None = None,
+    keep: int = 2,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically and drop the older ones."""
+    """Write the checkpoint of ``step`` atomically and drop all but the newest ``keep``."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -86,15 +101,68 @@ def save_checkpoint(
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({"step": step, "optimizer": opt_meta, **state}, indent=1))
+    manifest = {f.name: _file_entry(f) for f in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
-    for old in root.glob("step_*"):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    for old in checkpoint_dirs(run_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories, newest step first (damaged ones included)."""
+    root = run_dir / "checkpoints"
+    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise ``CheckpointError`` naming the file of ``path`` that is missing, truncated or edited."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path / MANIFEST}: missing, so the checkpoint cannot be verified.") from None
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path / MANIFEST}: not readable JSON ({exc}); the file is damaged.") from exc
+    for name, want in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (the checkpoint's manifest lists it).")
+        got = _file_entry(file)
+        if got["bytes"] != want["bytes"]:
+            raise CheckpointError(f"{file}: {got['bytes']} bytes, the manifest says {want['bytes']} (truncated or replaced).")
+        if got["sha256"] != want["sha256"]:
+            raise CheckpointError(f"{file}: contents differ from the manifest's SHA-256 (damaged or edited).")
+    for name in ("policy.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
+        if name not in manifest:
+            raise CheckpointError(f"{path / MANIFEST}: does not list {name}; the checkpoint is incomplete.")
+
+
+def newest_intact(run_dir: Path) -> tuple[Path, list[str]]:
+    """The newest checkpoint that verifies, and why each newer one was skipped."""
+    skipped: list[str] = []
+    for path in checkpoint_dirs(run_dir):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+            continue
+        return path, skipped
+    if not skipped:
+        raise CheckpointError(f"{run_dir / 'checkpoints'}: no checkpoint (no step_* directory) to load.")
+    raise CheckpointError(f"{run_dir / 'checkpoints'}: no intact checkpoint: " + " ".join(skipped))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -103,6 +171,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         return None
     path = run_dir / "checkpoints" / pointer.read_text().strip()
     return path if path.is_dir() else None
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """``state.json`` of the checkpoint ``path``, with the entries every checkpoint has."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'state.json'}: not readable JSON ({exc}).") from exc
+    absent = [key for key in _STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if absent:
+        raise CheckpointError(f"{path / 'state.json'}: missing the entries {absent}.")
+    return state
 
 
 def load_checkpoint(
@@ -114,13 +194,8 @@ def load_checkpoint(
 ) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
     """Load weights and optimizer state in place; return the JSON state and the RNG tensors."""
     weights = load_file(str(path / "policy.safetensors"))
+    _check_fits(path / "policy.safetensors", weights, _trainable(policy))
     params = dict(policy.named_parameters())
-    missing = sorted(set(weights) - set(params))
-    if missing:
-        raise KeyError(
-            f"checkpoint {path}: parameters {missing[:5]} are not in the policy; was the run "
-            "started with another --model or lora_rank?"
-        )
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
@@ -128,7 +203,20 @@ def load_checkpoint(
             ref_params = dict(reference.named_parameters())
             for name, value in load_file(str(path / "reference.safetensors")).items():
                 ref_params[name].copy_(value)
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state.pop("optimizer"))
     rng = load_file(str(path / "rng.safetensors"))
     return Checkpoint(step=int(state["step"]), state=state, path=path), rng
+
+
+def _check_fits(file: Path, saved: dict[str, torch.Tensor], model: dict[str, torch.Tensor]) -> None:
+    """Every trainable parameter of the model is in ``saved``, with the same shape, and no other."""
+    problems = [f"{n} is not in the model" for n in sorted(set(saved) - set(model))[:3]]
+    problems += [f"{n} is missing" for n in sorted(set(model) - set(saved))[:3]]
+    problems += [f"{n} has shape {list(saved[n].shape)}, the model's is {list(model[n].shape)}"
+                 for n in sorted(set(saved) & set(model)) if saved[n].shape != model[n].shape][:3]
+    if problems:
+        raise CheckpointError(
+            f"{file}: does not fit the policy built from the run's config ({'; '.join(problems)}); "
+            "was config.yaml's model, lora_rank or lora_targets changed since the run started?"
+        )

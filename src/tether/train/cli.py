@@ -2,7 +2,11 @@
 
 ``tether train`` flags are generated from ``TrainConfig``'s fields (``--prompts-per-step 8``
 sets ``prompts_per_step``), and their help is the field documentation. ``--config FILE``
-loads a YAML file first; trailing ``key=value`` words override both.
+loads a YAML file first; trailing ``key=value`` words override both. ``--resume RUN`` takes
+RUN's config.yaml, and its flags and overrides may change only what a resume may change.
+
+A user error (bad config, a directory holding another run, a damaged checkpoint, a failing
+task) prints one line on stderr and exits with status 2, without a traceback.
 """
 
 from __future__ import annotations
@@ -10,10 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
 from tether.train.config import TrainConfig
+from tether.train.tasks import TASKS, TaskError
+
+# Exceptions that report a problem with the user's input, files or task, not a bug in tether.
+_USER_ERRORS = (ValueError, KeyError, TaskError, OSError)
 
 
 def _train_parser(sub) -> None:
@@ -21,11 +30,15 @@ def _train_parser(sub) -> None:
     # default is the config field's, written into each help line by hand.
     p = sub.add_parser("train", help="GRPO with a KL leash on the embedded model (defaults) or --model.")
     p.add_argument("--config", help="YAML file of config keys, applied before flags and key=value overrides.")
-    p.add_argument("--resume", metavar="RUN_DIR", help="Continue RUN_DIR from its last checkpoint with its config.yaml.")
+    p.add_argument("--resume", metavar="RUN_DIR", help="Continue RUN_DIR from its newest intact checkpoint with "
+                   "its config.yaml; flags may change only steps, the checkpoint cadence and threads.")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     for f in fields(TrainConfig):
-        p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                       metavar=type(f.default).__name__.upper(), help=f"{f.metadata['help']} (default: {f.default})")
+        flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
+        if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true
+            p.add_argument(flag, dest=f.name, default=None, action="store_true", help=text)
+        else:
+            p.add_argument(flag, dest=f.name, default=None, metavar=type(f.default).__name__.upper(), help=text)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Config overrides.")
 
 
@@ -33,19 +46,35 @@ def _parse_overrides(words: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for word in words:
         if "=" not in word:
-            raise SystemExit(f"tether train: expected key=value overrides, got {word!r}.")
+            raise ValueError(f"expected key=value overrides, got {word!r}.")
         key, value = word.split("=", 1)
         out[key.strip().replace("-", "_")] = value
     return out
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    if args.resume:
-        cfg = TrainConfig.from_yaml(Path(args.resume) / "config.yaml")
-        return cfg.override({"out": args.resume})
-    cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
+    from tether.train.run_dir import check_resume_overrides, read_run_config
+
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
-    return cfg.override({**flags, **_parse_overrides(args.overrides)})
+    changes = {**flags, **_parse_overrides(args.overrides)}
+    if args.resume:
+        if args.config:
+            raise ValueError(f"--config and --resume {args.resume} together: a resume uses the run's own config.yaml.")
+        if "out" in changes and Path(changes["out"]) != Path(args.resume):
+            raise ValueError(f"--out {changes['out']} and --resume {args.resume}: a resume writes into the run it continues.")
+        stored = read_run_config(Path(args.resume))
+        cfg = stored.override(changes)
+        check_resume_overrides(stored, cfg)
+        return cfg
+    cfg = TrainConfig.from_yaml(args.config) if args.config else TrainConfig()
+    return cfg.override(changes)
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    """Report a user error as one line on stderr; exit status 2."""
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    print(f"tether {command}: " + " ".join(line.strip() for line in str(text).splitlines()), file=sys.stderr)
+    return 2
 
 
 def _print_summary(summary: dict) -> None:
@@ -60,33 +89,40 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg = _config(args).validate()
-    except ValueError as exc:
-        print(f"tether train: {exc}", file=sys.stderr)
-        return 2
-    summary = train(cfg, resume=bool(args.resume), progress=not args.quiet)
+        summary = train(cfg, resume=bool(args.resume), progress=not args.quiet)
+    except _USER_ERRORS as exc:
+        return _fail("train", exc)
     _print_summary(summary)
     print(f"  run directory              {cfg.out}")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    try:
+        return _eval(args)
+    except _USER_ERRORS as exc:
+        return _fail("eval", exc)
+
+
+def _eval(args: argparse.Namespace) -> int:
     from tether.train.evaluate import evaluate
     from tether.train.recipe import build_run
-    from tether.train.checkpoint import latest_checkpoint, load_checkpoint
+    from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
 
     if args.run:
-        cfg = TrainConfig.from_yaml(Path(args.run) / "config.yaml").override({"out": args.run})
+        cfg = read_run_config(Path(args.run))
+        if cfg.task not in TASKS and not args.trust_task_code:
+            # A run directory is data: running the code it names needs the user's say-so.
+            raise ValueError(
+                f"{Path(args.run) / 'config.yaml'} names the task file {cfg.task}, which would run as Python "
+                "code. Pass --trust-task-code if you trust that file."
+            )
     else:
         cfg = TrainConfig().override({"model": args.model, "task": args.task, "out": "runs/eval"})
     cfg = cfg.override({"eval_size": args.eval_size}) if args.eval_size else cfg
     run = build_run(cfg)
     if args.run:
-        path = latest_checkpoint(Path(args.run))
-        if path is None:
-            print(f"tether eval: no checkpoint under {args.run}/checkpoints", file=sys.stderr)
-            return 2
-        load_checkpoint(path, policy=run.models.policy, optimizer=run.optimizer,
-                        reference=run.models.movable_reference)
+        open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"))
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature)
     print(json.dumps(result.as_dict(), indent=1))
@@ -96,7 +132,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from tether.train.metrics import plot_metrics
 
-    for path in plot_metrics(Path(args.run_dir)):
+    try:
+        paths = plot_metrics(Path(args.run_dir))
+    except _USER_ERRORS as exc:
+        return _fail("plot", exc)
+    for path in paths:
         print(path)
     return 0
 
@@ -110,11 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--model", default="default", help="Model when no run directory is given.")
     e.add_argument("--task", default="arithmetic", help="Task when no run directory is given.")
     e.add_argument("--eval-size", type=int, default=0, help="Override the held-out set size.")
+    e.add_argument("--trust-task-code", action="store_true",
+                   help="Run the task .py file named in RUN's config.yaml (code from the run directory).")
     pl = sub.add_parser("plot", help="Write PNG plots of a run's metrics.jsonl.")
     pl.add_argument("run_dir")
     args = parser.parse_args(argv)
     handlers = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot}
-    return handlers[args.command](args)
+    # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
+    shown = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_, **__: f"tether: {category.__name__}: {message}\n"
+    try:
+        return handlers[args.command](args)
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

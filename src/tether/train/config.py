@@ -8,6 +8,7 @@ apply on top. ``validate()`` reports every problem at once in a single ``ValueEr
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ class TrainConfig:
     seed: int = _f(0, "Seed for data, sampling and initialisation.")
     out: str = _f("runs/train", "Run directory (config.yaml, metrics.jsonl, plots/, checkpoints/, summary.json).")
     checkpoint_every: int = _f(4, "Save a checkpoint every K steps (and at the end); 0 saves only at the end.")
+    keep_checkpoints: int = _f(2, "Checkpoints kept (the newest ones); resume falls back to the newest intact one.")
+    overwrite: bool = _f(False, "Replace the run in --out (its config, metrics, plots, summary and checkpoints); without it a directory that is not empty is refused.")
     workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
     ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
     ray_timeout: float = _f(600.0, "Seconds any wait on Ray may last (connecting, actors starting, a step's rollouts) before the run fails.")
@@ -57,10 +60,10 @@ class TrainConfig:
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
     kl_coef: float = _f(0.2, "Initial KL coefficient beta.")
-    kl_controller: str = _f("constant", "'constant' or 'adaptive' (Ziegler et al. 2019) control of beta.")
-    kl_target: float = _f(1.0, "Adaptive controller target: mean per-sequence summed KL (nats).")
+    kl_controller: str = _f("constant", "'constant', 'adaptive' (Ziegler et al. 2019) or 'target' (holds the KL at kl_target every step; kl_coef is its start) control of beta.")
+    kl_target: float = _f(1.0, "KL the adaptive or target controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
-    kl_bound: float = _f(3.0, "Bound on the final mean per-sequence KL reported as met or not in the summary (nats).")
+    kl_bound: float = _f(3.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
@@ -86,10 +89,21 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read the config file ({exc.strerror}); check the path.") from exc
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ValueError(f"{path}: not valid YAML ({problem}{where}); fix the file's syntax.") from exc
         if not isinstance(data, dict):
-            raise ValueError(f"--config {path}: expected a YAML mapping of config keys, got {type(data).__name__}.")
-        return cls.from_dict(data)
+            raise ValueError(f"{path}: expected a YAML mapping of config keys, got {type(data).__name__}.")
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
 
     def override(self, values: dict[str, Any]) -> "TrainConfig":
         """A copy with ``values`` (raw strings or typed values) converted to each field's type."""
@@ -123,12 +137,16 @@ class TrainConfig:
                      "eval_max_new_tokens", "kl_horizon", "reference_every"):
             need(getattr(self, name) >= 1, f"{name}: expected >= 1, got {getattr(self, name)}")
         need(self.group_size >= 2, f"group_size: expected >= 2 (a group of one has no baseline), got {self.group_size}")
+        for f in fields(self):  # nan and inf pass every comparison below that they should fail
+            value = getattr(self, f.name)
+            need(not isinstance(value, float) or math.isfinite(value), f"{f.name}: expected a finite number, got {value}")
+        need(self.keep_checkpoints >= 1, f"keep_checkpoints: expected >= 1, got {self.keep_checkpoints}")
         for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high"):
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
         need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
-        need(0 < self.ray_timeout < float("inf"), f"ray_timeout: expected a finite number of seconds > 0, got {self.ray_timeout}")
+        need(self.ray_timeout > 0, f"ray_timeout: expected > 0 seconds, got {self.ray_timeout}")
         need(0 < self.clip_epsilon < 1, f"clip_epsilon: expected in (0, 1), got {self.clip_epsilon}")
         need(self.kl_target > 0, f"kl_target: expected > 0, got {self.kl_target}")
         need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
@@ -152,7 +170,7 @@ _CHOICES: dict[str, set[str]] = {
     "advantage": {"grpo", "dr_grpo", "rloo"},
     "kl_mode": {"loss", "reward"},
     "kl_estimator": {"k1", "k2", "k3"},
-    "kl_controller": {"constant", "adaptive"},
+    "kl_controller": {"constant", "adaptive", "target"},
     "reference_update": {"fixed", "sync", "ema"},
 }
 

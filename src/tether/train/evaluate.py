@@ -58,7 +58,7 @@ def evaluate(
         chunk = problems[begin : begin + _EVAL_BATCH]
         td = wrapper(chat_batch([p.chat for p in chunk], key=("history", "prompt")))
         answers = td.get(("text", "response")).tolist()
-        correct += sum(task.is_correct(a, p) for a, p in zip(answers, chunk))
+        correct += sum(task.correct_value(task.is_correct(a, p)) for a, p in zip(answers, chunk))
         response = td["masks", "all_assistant_mask"]
         tokens_total += int(response.sum())
         if with_kl and reference is not None:

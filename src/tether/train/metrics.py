@@ -28,8 +28,16 @@ class MetricsLog:
         self.path = path
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines of steps later than ``step`` (they are recomputed after a resume)."""
+        """Drop lines of steps later than ``step`` (they are recomputed after a resume); the
+        lines of steps 1..``step`` must all be there, since they are not recomputed."""
         kept = [r for r in self.read() if r["step"] <= step]
+        if [r["step"] for r in kept] != list(range(1, step + 1)):
+            missing = sorted(set(range(1, step + 1)) - {r["step"] for r in kept})
+            raise ValueError(
+                f"{self.path}: the lines of steps 1..{step} (the checkpoint's) are not all there once each "
+                f"(missing {missing[:10]}, {len(kept)} lines); the file was truncated or edited. Restore it, "
+                "or start the run again with --overwrite."
+            )
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def append(self, record: dict[str, Any]) -> None:
@@ -38,9 +46,23 @@ class MetricsLog:
             fh.flush()
 
     def read(self) -> list[dict[str, Any]]:
+        """Every complete line; a last line without its newline is a write cut short by a
+        kill (its step has no checkpoint) and is left out."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = self.path.read_text().split("\n")[:-1]  # the part after the last newline is unfinished
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: line {number} is not valid JSON ({exc}); the file is damaged.") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(f"{self.path}: line {number} is not a step record (no integer 'step').")
+            records.append(record)
+        return records
 
 
 def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
@@ -52,15 +74,31 @@ def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list
 _FRACTIONS = {"accuracy", "clip_fraction", "ess"}
 
 
-def _kl_bound(run_dir: Path) -> float | None:
-    """The run's ``kl_bound`` from its config.yaml, drawn on the KL plot (None if absent)."""
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping ({} if absent): the KL plot draws its bound and target."""
     import yaml
 
     path = run_dir / "config.yaml"
-    if not path.is_file():
-        return None
-    value = (yaml.safe_load(path.read_text()) or {}).get("kl_bound")
-    return float(value) if isinstance(value, (int, float)) else None
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+# Fraction of the target that counts as holding it: the band drawn on the KL plot (+-25 %).
+TARGET_BAND = 0.25
+
+
+def _draw_kl_guides(ax, config: dict[str, Any], curves: dict[str, tuple[list[int], list[float]]]) -> None:
+    """Exact KL beside the sampled one, the bound, and the target band of a controlled run."""
+    steps, exact = curves.get("kl_exact_per_seq", ([], []))
+    if any(v == v for v in exact):  # not all NaN: the run logged the exact KL
+        ax.plot(steps, exact, marker="s", markersize=3, label="kl_exact_per_seq")
+    bound = config.get("kl_bound")
+    if isinstance(bound, (int, float)):
+        ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
+    target = config.get("kl_target")
+    if config.get("kl_controller") in ("adaptive", "target") and isinstance(target, (int, float)):
+        ax.axhspan(target * (1 - TARGET_BAND), target * (1 + TARGET_BAND), color="tab:green", alpha=0.15,
+                   label=f"kl_target +-{TARGET_BAND:.0%}")
+    ax.legend(loc="upper left", fontsize=8)
 
 
 def plot_metrics(run_dir: Path) -> list[Path]:
@@ -76,7 +114,8 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     curves = curve_data(records)
-    kl_bound = _kl_bound(run_dir)
+    curves["kl_exact_per_seq"] = ([r["step"] for r in records], [r.get("kl_exact_per_seq", float("nan")) for r in records])
+    config = _run_config(run_dir)
     written: list[Path] = []
     cols = 3
     rows = math.ceil(len(PLOTTED) / cols)
@@ -94,9 +133,8 @@ def plot_metrics(run_dir: Path) -> list[Path]:
             target.ticklabel_format(axis="y", useOffset=False)
             if key in _FRACTIONS:
                 target.set_ylim(-0.02, 1.02)
-            if key == "kl_per_seq" and kl_bound is not None:
-                target.axhline(kl_bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
-                target.legend(loc="upper left", fontsize=8)
+            if key == "kl_per_seq":
+                _draw_kl_guides(target, config, curves)
         fig.tight_layout()
         path = out_dir / f"{key}.png"
         fig.savefig(path, dpi=90)

@@ -29,18 +29,25 @@ from tqdm import tqdm
 from tether.control import make_kl_controller
 from tether.llm import chat_batch
 from tether.models import ReferenceUpdater, TransformersWrapper
-from tether.objectives import GRPOLoss
+from tether.objectives import GRPOLoss, GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
-from tether.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
 from tether.train.evaluate import evaluate
+from tether.train.kl_signal import has_exact_kl, measure_kl
 from tether.train.metrics import MetricsLog, plot_metrics
+from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe_checkpoints, open_checkpoint,
+                                  start_new_run, write_config)
 from tether.train.setup import build_models, reference_scorer
 from tether.train.tasks import Problem, Task, load_task
 
 
 class RewardError(ValueError):
     """A task's reward function raised or returned a non-finite value for a sample."""
+
+
+class NonFiniteUpdateError(ValueError):
+    """A step's loss or gradient norm is NaN or infinite; the optimizer step was not taken."""
 
 
 @dataclass
@@ -68,8 +75,7 @@ class Run:
 # ------------------------------------------------------------------------------ set-up
 def build_run(cfg: TrainConfig) -> Run:
     cfg.validate()
-    run_dir = Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(cfg.out)  # created by train() once everything has loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -95,6 +101,8 @@ def build_run(cfg: TrainConfig) -> Run:
     if cfg.kl_controller == "adaptive":
         controller = make_kl_controller("adaptive", init_kl_coef=cfg.kl_coef, target=cfg.kl_target,
                                         horizon=cfg.kl_horizon, model=coef)
+    elif cfg.kl_controller == "target":
+        controller = make_kl_controller("target", init_kl_coef=cfg.kl_coef, target=cfg.kl_target, model=coef)
     else:
         controller = make_kl_controller("constant", kl_coef=cfg.kl_coef, model=coef)
     trainable = [p for p in models.policy.parameters() if p.requires_grad]
@@ -138,20 +146,21 @@ def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[
     rewards, correct = [], []
     for i, (answer, problem) in enumerate(zip(answers, problems)):
         try:
-            value = float(run.task.reward(answer, problem))
+            raw = run.task.reward(answer, problem)
         except Exception as exc:  # the user's reward code: report which sample broke it
             raise RewardError(
                 f"task {run.task.name!r}: reward raised {type(exc).__name__}: {exc} at step {step}, "
                 f"sample {i} (prompt {problem.chat[-1]['content']!r}, answer {answer!r}). "
-                "Fix the reward function; the run directory still holds the last checkpoint."
+                f"Fix the reward function. {describe_checkpoints(run.dir)}"
             ) from exc
+        value = run.task.reward_value(raw)
         if not math.isfinite(value):
             raise RewardError(
                 f"task {run.task.name!r}: reward returned {value} at step {step}, sample {i} "
                 f"(prompt {problem.chat[-1]['content']!r}, answer {answer!r}); rewards must be finite."
             )
         rewards.append(value)
-        correct.append(float(run.task.is_correct(answer, problem)))
+        correct.append(float(run.task.correct_value(run.task.is_correct(answer, problem))))
     return torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct)
 
 
@@ -179,50 +188,60 @@ def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate_gradients(run: Run, batch) -> dict[str, float]:
-    """Backward of the step's loss, micro-batch by micro-batch, with full-batch denominators."""
+    """Backward of the step's loss, micro-batch by micro-batch, with full-batch denominators.
+
+    The diagnostics are not averaged over micro-batches (ESS is no token mean): each
+    micro-batch's detached per-token terms are kept and reduced once over the whole batch,
+    so every logged value equals that of one full-batch ``GRPOLoss`` call.
+    """
     cfg = run.cfg
-    mask = batch["masks", "all_assistant_mask"]
-    denominator = aggregate_denominator(mask, cfg.aggregation)
+    denominator = aggregate_denominator(batch["masks", "all_assistant_mask"], cfg.aggregation)
     run.optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
-    n = batch.shape[0]
-    total_tokens = mask.sum().clamp(min=1)
-    for begin in range(0, n, cfg.micro_batch_size):
-        part = batch[begin : begin + cfg.micro_batch_size]
-        out = run.loss(part, denominator=denominator)
-        total = out.total_loss()
-        total.backward()
-        # The loss's diagnostics are token means of the micro-batch: weight them by its tokens.
-        share = float(part["masks", "all_assistant_mask"].sum() / total_tokens)
-        for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref"):
-            value = getattr(out, name, None)
-            if value is not None:
-                sums[name] = sums.get(name, 0.0) + float(value) * share
-        sums["loss"] = sums.get("loss", 0.0) + float(total.detach())
+    kept = []
+    for begin in range(0, batch.shape[0], cfg.micro_batch_size):
+        terms = run.loss.token_terms(batch[begin : begin + cfg.micro_batch_size])
+        run.loss.reduce(terms, denominator=denominator).total_loss().backward()
+        kept.append(terms.detach())
+    out = run.loss.reduce(GRPOTokenTerms.cat(kept))
+    diagnostics = {name: getattr(out, name) for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref")}
+    sums = {name: float(value) for name, value in diagnostics.items() if value is not None}
+    sums["loss"] = float(out.total_loss())
     return sums
 
 
-def optimize(run: Run, batch) -> dict[str, float]:
-    """One optimizer step over the batch."""
+def optimize(run: Run, batch, step: int | None = None) -> dict[str, float]:
+    """One optimizer step over the batch (``step``, 0-based, names it in errors); a non-finite
+    loss or gradient norm raises before the optimizer touches the weights."""
     cfg = run.cfg
     sums = accumulate_gradients(run, batch)
     params = [p for p in run.models.policy.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
+    if not (math.isfinite(sums["loss"]) and math.isfinite(float(norm))):
+        raise NonFiniteUpdateError(
+            f"step {'?' if step is None else step + 1}: loss {sums['loss']}, gradient norm {float(norm)}; the update "
+            "was not applied, logged or checkpointed. Lower learning_rate, set grad_clip, or check the rewards' "
+            f"scale. {describe_checkpoints(run.dir)}"
+        )
     run.optimizer.step()
     sums["grad_norm"] = float(norm)
     return sums
 
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
+    cfg = run.cfg
     start = time.perf_counter()
     batch, problems = rollout(run, step)
     rewards, correct = score_rewards(run, batch, problems, step)
     kl_seq = add_advantages(run, batch, rewards)
-    opt = optimize(run, batch)
+    # Measured before the update: both KLs then describe the policy that sampled the batch.
+    policy = run.models.policy
+    kl = measure_kl(batch, kl_seq, policy=policy if has_exact_kl(policy) else None,
+                    reference=run.models.reference, temperature=cfg.temperature)
+    opt = optimize(run, batch, step)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     kl_coef_used = float(run.coef.kl_coef)
-    run.controller.update(kl_seq.detach().double().tolist())
+    run.controller.update(kl.signal.tolist())
     mask = batch["masks", "all_assistant_mask"]
     elapsed = time.perf_counter() - start
     return {
@@ -230,8 +249,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "accuracy": float(correct.mean()),
-        "kl_per_seq": float(kl_seq.mean()),
-        "kl_per_token": float(kl_seq.sum() / mask.sum().clamp(min=1)),
+        **kl.metrics(cfg.kl_bound),
         "kl_coef": kl_coef_used,
         "clip_fraction": opt.get("clip_fraction", 0.0),
         "ess": opt.get("ESS", float("nan")),
@@ -258,21 +276,22 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
 def _save(run: Run, step: int, extra: dict[str, Any]) -> None:
     rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}
     save_checkpoint(run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
-                    state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference)
+                    state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference,
+                    keep=run.cfg.keep_checkpoints)
 
 
 def _restore(run: Run) -> tuple[int, dict[str, Any]]:
-    path = latest_checkpoint(run.dir)
-    if path is None:
-        raise FileNotFoundError(f"--resume {run.dir}: no checkpoint under {run.dir / 'checkpoints'}.")
-    ckpt, rng = load_checkpoint(path, policy=run.models.policy, optimizer=run.optimizer,
-                                reference=run.models.movable_reference)
+    ckpt, rng = open_checkpoint(run.cfg, run.models, run.optimizer, set_aside=True)
+    if ckpt.step > run.cfg.steps:
+        raise ValueError(f"steps: {run.cfg.steps} is below the step of {ckpt.path} ({ckpt.step}); "
+                         f"a resume can only extend a run, so give steps >= {ckpt.step}.")
     torch.set_rng_state(rng["torch"])
     run.generator.set_state(rng["sampling"])
     run.controller.load_state_dict(ckpt.state["controller"])
     if run.ref_updater is not None and ckpt.state.get("reference_updater"):
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
     run.metrics.truncate_after(ckpt.step)
+    write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
     return ckpt.step, ckpt.state
 
 
@@ -283,6 +302,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     ``stop_after`` ends the process-level loop after that many steps without the final
     evaluation (used to simulate an interrupted run in tests).
     """
+    if not resume:
+        check_new_run_dir(cfg.validate())  # before loading anything: refuse another run's directory
     run = build_run(cfg)
     try:
         wall = time.perf_counter()
@@ -290,13 +311,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             start, state = _restore(run)
             before = state["eval_before"]
         else:
-            (run.dir / "config.yaml").write_text(cfg.to_yaml())
-            run.metrics.path.write_text("")
+            start_new_run(cfg)
             before = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
                               max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
                               with_kl=False).as_dict()
             start = 0
-        extra = {"eval_before": before}
+        extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint)}
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
                    disable=not progress, dynamic_ncols=True)
         for step in bar:
@@ -338,7 +358,14 @@ def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, A
         "final_train_kl_per_seq": final_kl,
         "kl_bound": run.cfg.kl_bound,
         "kl_within_bound": final_kl <= run.cfg.kl_bound,
+        "steps_over_kl_bound": sum(bool(r.get("kl_over_bound")) for r in records),
+        "final_train_kl_exact_per_seq": _tail_mean(tail, "kl_exact_per_seq"),
         "final_kl_coef": float(run.coef.kl_coef),
         "seconds_this_process": seconds,
         "eval_size": len(run.held_out),
     }
+
+
+def _tail_mean(tail: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in tail if key in r]
+    return sum(values) / len(values) if values else None

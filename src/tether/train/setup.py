@@ -4,11 +4,20 @@ reference's scoring wrapper (built the same way in-process and in a Ray referenc
 With LoRA the reference is the policy with its adapter disabled (no second copy of the
 weights) unless the reference has to move (``sync``), which needs its own frozen copy of the
 adapted model; full fine-tuning always takes a ``frozen_copy``.
+
+``Models.fingerprint`` identifies the base weights and tokenizer as loaded, before any
+adapter or update, so a checkpoint can refuse to be loaded onto another base of the same
+shapes. It hashes every tensor's name, shape, dtype and an evenly strided sample of at most
+``_SAMPLE`` of its values (all of them for small tensors): two bases that differ at all
+differ in far more places than that sample misses, and hashing 135M weights in full would
+add seconds to every start.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +36,26 @@ class Models:
     tokenizer: Any
     # The reference's own weights, when it is a separate copy that an update policy moves.
     movable_reference: nn.Module | None
+    fingerprint: dict[str, str] = field(default_factory=dict)
+
+
+_SAMPLE = 1 << 16
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
+    """SHA-256 digests of the base weights (strided sample) and of the tokenizer's vocabulary."""
+    weights = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        # Raw bits as integers of the same width (numpy has no bfloat16); numpy's strided
+        # copy is far faster than torch's here.
+        bits = tensor.detach().cpu().reshape(-1).view(_SAME_WIDTH[tensor.element_size()]).numpy()
+        weights.update(f"{name}:{list(tensor.shape)}:{tensor.dtype};".encode())
+        weights.update(bits[:: max(1, bits.size // _SAMPLE)].tobytes())
+    vocab = {"vocab": sorted(tokenizer.get_vocab().items()), "special": str(tokenizer.special_tokens_map),
+             "chat_template": str(getattr(tokenizer, "chat_template", None))}
+    text = json.dumps(vocab, sort_keys=True).encode()
+    return {"weights": weights.hexdigest(), "tokenizer": hashlib.sha256(text).hexdigest()}
 
 
 def load_base(spec: str, seed: int) -> tuple[nn.Module, Any]:
@@ -52,11 +81,12 @@ def load_base(spec: str, seed: int) -> tuple[nn.Module, Any]:
 def build_models(cfg: TrainConfig) -> Models:
     base, tokenizer = load_base(cfg.model, cfg.seed)
     base.eval()  # RL needs sampling and scoring to agree: no dropout anywhere
+    prints = fingerprint(base, tokenizer)
     if cfg.lora_rank == 0:
         base.requires_grad_(True)
         reference = frozen_copy(base)
         movable = reference if cfg.reference_update != "fixed" else None
-        return Models(base, reference, tokenizer, movable)
+        return Models(base, reference, tokenizer, movable, prints)
     import peft
 
     torch.manual_seed(cfg.seed)
@@ -68,9 +98,9 @@ def build_models(cfg: TrainConfig) -> Models:
     )
     policy = peft.get_peft_model(base, lora).eval()
     if cfg.reference_update == "fixed":
-        return Models(policy, adapter_disabled(policy), tokenizer, None)
+        return Models(policy, adapter_disabled(policy), tokenizer, None, prints)
     reference = frozen_copy(policy)
-    return Models(policy, reference, tokenizer, reference)
+    return Models(policy, reference, tokenizer, reference, prints)
 
 
 def reference_scorer(models: Models, cfg: TrainConfig) -> TransformersWrapper:

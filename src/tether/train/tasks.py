@@ -11,6 +11,9 @@ The default task, ``arithmetic``, asks sums and differences of integers from 1 t
 single user turn. Reward: 1.0 when the last integer in the response equals the answer,
 plus a format term of 0.1 when the response ends within 40 characters of that last integer
 (it answers rather than rambling on). The held-out score is accuracy only.
+
+What a task's callables return is checked where it is used: a wrong type raises
+``TaskError`` naming the task, the callable and its file, not an error deep in the recipe.
 """
 
 from __future__ import annotations
@@ -18,12 +21,23 @@ from __future__ import annotations
 import importlib.util
 import random
 import re
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 Chat = list[dict[str, str]]
+
+
+class TaskError(TypeError):
+    """A task file or one of a task's callables gave something of the wrong type."""
+
+
+def _where(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", repr(fn))
+    return f"{name} in {code.co_filename}" if code is not None else name
 
 
 @dataclass(frozen=True)
@@ -53,15 +67,36 @@ class Task:
         for _ in range(50 * max(n, 1)):
             if len(seen) == n:
                 break
-            p = self.make_problem(rng)
+            p = self.new_problem(rng)
             seen.setdefault(p.key, p)
         return list(seen.values())
+
+    def new_problem(self, rng: random.Random) -> Problem:
+        """``make_problem(rng)``, checked to be a ``Problem``."""
+        p = self.make_problem(rng)
+        return self._checked("make_problem", p, isinstance(p, Problem), "a tether.train.tasks.Problem")
+
+    def reward_value(self, value: Any) -> float:
+        """A value ``reward`` returned, as a float (a number, not a dict or a string)."""
+        return float(self._checked("reward", value, hasattr(type(value), "__float__"), "a real number"))
+
+    def correct_value(self, value: Any) -> bool:
+        """A value ``is_correct`` returned, as a bool."""
+        return bool(self._checked("is_correct", value, hasattr(type(value), "__float__"), "a bool"))
+
+    def _checked(self, fn_name: str, value: Any, ok: bool, expected: str) -> Any:
+        if ok:
+            return value
+        raise TaskError(
+            f"task {self.name!r}: {fn_name} ({_where(getattr(self, fn_name))}) returned "
+            f"{type(value).__name__} {reprlib.repr(value)}, expected {expected}; fix that function."
+        )
 
     def train_problem(self, seed: int, index: int, exclude: set[str]) -> Problem:
         """Problem ``index`` of the training stream, never one whose key is in ``exclude``."""
         rng = random.Random(f"train-{seed}-{index}")
         for _ in range(1000):
-            p = self.make_problem(rng)
+            p = self.new_problem(rng)
             if p.key not in exclude:
                 return p
         raise ValueError(
@@ -136,7 +171,7 @@ def load_task(name_or_path: str) -> Task:
     if task is None and callable(getattr(module, "make_task", None)):
         task = module.make_task()
     if not isinstance(task, Task):
-        raise TypeError(
+        raise TaskError(
             f"task file {path}: expected a module-level TASK = tether.train.tasks.Task(...) or a "
             f"make_task() returning one, got {type(task).__name__}."
         )

@@ -1,8 +1,10 @@
-"""End-of-sequence and padding ids for a rollout, from the caller, the tokenizer or the model.
+"""End-of-sequence and padding ids, from the caller, the tokenizer or the model: the one policy.
 
-The seed hard-coded GPT-2's id 50256 for both; any other tokenizer silently produced wrong
-episode ends. Here an explicit argument wins, then the tokenizer, then the model's
-generation config and config; finding nothing is an error, never a guess.
+Every component that samples, pads or ends responses (``TransformersWrapper``,
+``RolloutFromModel``) resolves its ids here. An explicit argument wins, then the tokenizer,
+then the model's generation config and config; finding nothing is an error naming the
+keyword to pass, never a guess (the TorchRL seed hard-coded GPT-2's 50256, and an earlier
+tether wrapper fell back to the smallest eos id).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def _sources(model: nn.Module, tokenizer: Any) -> tuple[Any, Any, Any]:
     return tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None)
 
 
-def resolve_eos_ids(eos_token_id: Any, model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a response.
+def resolve_eos_ids(eos_token_id: Any, model: nn.Module, tokenizer: Any, *, owner: str = "RolloutFromModel") -> tuple[int, ...]:
+    """The ids that end a response (``owner`` names the component in the error).
 
     ``eos_token_id`` (an int or a list) if given; else the union of the tokenizer's, the
     generation config's and the config's eos ids (a model may list several, e.g. chat
@@ -43,7 +45,7 @@ def resolve_eos_ids(eos_token_id: Any, model: nn.Module, tokenizer: Any) -> tupl
     if not found:
         raise ValueError(
             "eos_token_id: none given and none found on the tokenizer, model.generation_config "
-            "or model.config. Pass eos_token_id=<id> (or tokenizer=...) to RolloutFromModel."
+            f"or model.config. Pass eos_token_id=<id> (or tokenizer=...) to {owner}."
         )
     return tuple(sorted(found))
 
@@ -54,7 +56,7 @@ def _one_id(name: str, value: Any) -> int:
     return int(value)
 
 
-def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any) -> int:
+def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any, *, owner: str = "RolloutFromModel") -> int:
     """The id written after a response ends: the argument, else the first one found."""
     if pad_token_id is not None:
         return _one_id("pad_token_id", pad_token_id)
@@ -64,6 +66,6 @@ def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any) -> int:
             return _one_id("pad_token_id (found on the tokenizer/model)", value)
     raise ValueError(
         "pad_token_id: none given and none found on the tokenizer, model.generation_config or "
-        "model.config. Pass pad_token_id=<id> to RolloutFromModel (the eos id is a common choice "
+        f"model.config. Pass pad_token_id=<id> to {owner} (the eos id is a common choice "
         "for models trained without a pad token)."
     )

@@ -1,0 +1,155 @@
+"""The one place tether reaches into dependency internals, and the version ranges it is tested on.
+
+Everything here leans on something a dependency does not promise to keep: the layout of
+``transformers``' ``DynamicCache`` (its ``layers`` with ``keys``/``values``, the
+``ddp_cache_data`` constructor argument, ``batch_select_indices``), the quantizer bookkeeping
+that GGUF loading leaves on a model, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its
+resolution of a bootstrap address. Keeping them together means a dependency upgrade is
+checked in one file, and ``TESTED`` (mirrored by the upper bounds in ``pyproject.toml``)
+says which releases that file was checked against.
+``version_problems()`` lists installed releases outside those ranges; importing tether warns
+about them once, and the test suite fails on them with the same message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import Tensor
+
+# Package -> (lowest tested release, first release not tested). Keep in step with pyproject.toml.
+TESTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.4", "2.15"),
+    "transformers": ("4.56", "6"),
+    "tensordict": ("0.9", "0.16"),
+    "peft": ("0.10", "0.22"),
+    "ray": ("2.9", "2.61"),
+}
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``: the numeric release, local and pre-release tags dropped."""
+    return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0].split("rc")[0])[:3])
+
+
+def installed_versions() -> dict[str, str]:
+    """Installed release of every package in ``TESTED`` (optional extras may be absent)."""
+    found = {}
+    for name in TESTED:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[name] = importlib.metadata.version(name)
+    return found
+
+
+def version_problems(versions: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per package whose release lies outside its tested range.
+
+    Args:
+        versions: package -> release string; the installed ones when ``None``.
+    """
+    problems = []
+    for name, version in (installed_versions() if versions is None else versions).items():
+        low, high = TESTED[name]
+        if not _release(low) <= _release(version) < _release(high):
+            problems.append(
+                f"{name} {version} is outside the range tether is tested with (>={low},<{high}); "
+                f"install a release in that range (pip install '{name}>={low},<{high}') or expect "
+                "breakage in tether._compat, which holds every use of its internals."
+            )
+    return problems
+
+
+# ------------------------------------------------------------------ transformers KV caches
+def new_cache(layers: list[tuple[Tensor, Tensor]] | None = None) -> Any:
+    """A ``DynamicCache``, empty or holding the given per-layer ``(keys, values)``.
+
+    ``keys``/``values`` are ``[B, heads, S, head_dim]`` as the decoder's attention stores them.
+    """
+    from transformers import DynamicCache
+
+    if layers is None:
+        return DynamicCache()
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]] | None:
+    """Per-layer ``(keys, values)`` of a plain full-attention ``DynamicCache``.
+
+    ``None`` when any layer is of another kind (sliding-window, hybrid, quantised): those
+    cannot be copied row-wise onto other sequences, so callers fall back to plain scoring.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(type(layer) is DynamicLayer for layer in layers):
+        return None
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def select_cache_rows(cache: Any, index: Tensor) -> None:
+    """Keep (and repeat or reorder) the cache's batch rows ``index`` in place."""
+    cache.batch_select_indices(index)
+
+
+# ------------------------------------------------------------------ transformers GGUF loading
+def clear_quantizer_marker(model: Any) -> None:
+    """Remove the GGUF quantizer bookkeeping from a model whose weights are dense.
+
+    ``save_pretrained`` refuses a model that still carries ``hf_quantizer``; the caller must
+    have checked that every weight really is a plain floating-point tensor.
+    """
+    for attribute in ("hf_quantizer", "quantization_method"):
+        if attribute in vars(model):
+            delattr(model, attribute)
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+# ------------------------------------------------------------------ adapters
+def has_integrated_adapter(model: Any) -> bool:
+    """Whether an adapter was attached through transformers' own PEFT integration (``add_adapter``)."""
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
+
+
+def has_tuner_layers(model: Any) -> bool:
+    """Whether any submodule is a PEFT tuner layer (LoRA and relatives); False without PEFT."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return False
+    return any(isinstance(module, BaseTunerLayer) for module in model.modules())
+
+
+# ------------------------------------------------------------------ Ray start-up
+@contextlib.contextmanager
+def ray_cluster_mode_off() -> Iterator[None]:
+    """Clear Ray's ``ENABLE_RAY_CLUSTER`` flag while a local cluster starts.
+
+    With the flag on (the Linux default) Ray takes the machine's routable address as the
+    node address even when asked for 127.0.0.1. It is a module constant read at import, so
+    it is patched for the duration of the call; ``create=True`` lets a release without the
+    flag start, and ``start_local_cluster`` then checks the addresses it actually bound.
+    """
+    from unittest import mock
+
+    from ray._private import ray_constants
+
+    with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False, create=True):
+        yield
+
+
+def ray_dial_address(address: str) -> str | None:
+    """The ``host:port`` that ``ray.init(address=address)`` connects to (None: it would start a cluster).
+
+    Ray resolves ``"auto"`` to the cluster recorded on this machine and replaces a loopback
+    host by the machine's routable address; tether probes that address before connecting,
+    because ``ray.init`` retries an address with nothing behind it for ever.
+    """
+    from ray._private import services
+
+    return services.canonicalize_bootstrap_address(address)

@@ -1,0 +1,53 @@
+"""Sampling options are checked up front with errors that name them (issue 14)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.models.sampling import sample_responses
+from tether.models.wrapper import TransformersWrapper
+from tests.helpers import make_tiny_model
+
+BAD = [
+    ({"temperature": math.inf}, ValueError, r"temperature must be finite and > 0, got inf"),
+    ({"temperature": "0.7"}, TypeError, r"temperature must be a Python int or float, got str"),
+    ({"top_p": 0.0}, ValueError, r"top_p must be None or a number in \(0, 1\].*got 0.0"),
+    ({"top_p": 1.5}, ValueError, r"top_p must be None or a number in \(0, 1\]"),
+    ({"max_new_tokens": -1}, ValueError, r"max_new_tokens must be an int >= 1.*got -1"),
+    ({"max_new_tokens": 2.5}, ValueError, r"max_new_tokens must be an int >= 1.*got 2.5"),
+    ({"top_k": -3}, ValueError, r"top_k must be None or an int >= 0; got -3"),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model()
+
+
+@pytest.mark.parametrize("options, error, pattern", BAD)
+def test_sample_responses_refuses_bad_options(model, options, error, pattern):
+    """Before: inf sampled uniformly, top_p=0 and a string temperature failed inside torch,
+    max_new_tokens=-1 gave a bare RuntimeError."""
+    kwargs = {"max_new_tokens": 3, "eos_ids": [0], "pad_id": 0, **options}
+    with pytest.raises(error, match=pattern):
+        sample_responses(model, torch.tensor([[1, 2]]), torch.ones(1, 2, dtype=torch.bool), **kwargs)
+
+
+@pytest.mark.parametrize("options, error, pattern", BAD)
+def test_wrapper_refuses_bad_options_at_construction(model, options, error, pattern):
+    temperature = options.get("temperature", 1.0)
+    generate_kwargs = {k: v for k, v in options.items() if k != "temperature"}
+    with pytest.raises(error, match=pattern):
+        TransformersWrapper(model, input_mode="tokens", temperature=temperature, generate_kwargs=generate_kwargs)
+
+
+def test_float_token_ids_are_refused_in_tokens_mode(model):
+    from tensordict import TensorDict
+
+    wrapper = TransformersWrapper(model, input_mode="tokens", generate=False)
+    td = TensorDict({("tokens", "full"): torch.tensor([[1.0, 2.5, 3.0]])}, batch_size=[1])
+    with pytest.raises(TypeError, match=r"\('tokens', 'full'\) must be an integer tensor.*float32"):
+        wrapper(td)

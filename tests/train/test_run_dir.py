@@ -1,0 +1,236 @@
+"""Run directories: nothing of a run is lost to a new run, a failed run, a damaged file or an
+edited config; a resume extends a run and refuses what it cannot change (issue 14, items 1-5)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.train.test_recipe import HERE, _metrics, tiny_cfg
+from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+from tether.train.checkpoint import CheckpointError
+from tether.train.cli import main
+from tether.train.config import TrainConfig
+from tether.train.recipe import RewardError, train
+from tether.train.run_dir import CheckpointFallbackWarning, RunDirError, read_run_config
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def steps_kept(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+
+def final_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step_{step:06d}" / "policy.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 2-step run (checkpoints of steps 1 and 2), copied by the tests that change it."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train(tiny_cfg(run, steps=2), progress=False)
+    return run
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / "run"))
+
+
+def one_error_line(capsys) -> str:
+    """The CLI's error: the last stderr line (libraries may print progress bars before it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("tether ") and err.endswith("\n"), err
+    return last
+
+
+# ------------------------------------------------------------------------------ item 1: new runs
+def test_new_run_refuses_a_directory_that_holds_a_run(finished, tmp_path, capsys):
+    """A second run with another seed into the same directory: refused by train() and by the
+    CLI (exit 2, one line), and every file of the first run is byte-identical afterwards."""
+    run = copy_of(finished, tmp_path)
+    before = snapshot(run)
+    with pytest.raises(RunDirError, match=r"not empty.*--resume.*--overwrite"):
+        train(tiny_cfg(run, seed=1), progress=False)
+    args = [f"{k}={v}" for k, v in tiny_cfg(run, seed=1).__dict__.items()]
+    assert main(["train", "--quiet", *args]) == 2
+    assert str(run) in one_error_line(capsys)
+    assert snapshot(run) == before
+
+
+def test_nothing_is_written_before_everything_is_validated(tmp_path):
+    """A model directory that does not exist is found out after the config validated but before
+    the run starts: the run directory is never created."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="no such directory"):
+        train(tiny_cfg(out, model=str(tmp_path / "no-model")), progress=False)
+    assert not out.exists()
+
+
+def test_overwrite_replaces_the_run_and_keeps_other_files(finished, tmp_path):
+    """--overwrite: the old run's checkpoints, metrics and summary are gone (no old checkpoint
+    beside the new config), a file that is not the run's stays, and the config records no
+    overwrite (copying it does not overwrite another run)."""
+    run = copy_of(finished, tmp_path)
+    (run / "notes.txt").write_text("mine")
+    train(tiny_cfg(run, steps=1, seed=1, overwrite=True), progress=False)
+    assert steps_kept(run) == ["step_000001"]
+    assert [r["step"] for r in _metrics(run)] == [1]
+    assert TrainConfig.from_yaml(run / "config.yaml") == tiny_cfg(run, steps=1, seed=1)
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------------ item 2: failed runs
+def test_a_failed_new_run_says_truly_what_the_directory_holds(finished, tmp_path):
+    """A run whose reward raises at step 1: in a fresh directory it says no checkpoint was
+    written; overwriting a finished run it says the same, and the old checkpoints are gone
+    rather than paired with the new config."""
+    bad = str(HERE / "bad_task.py")
+    with pytest.raises(RewardError, match="holds no checkpoint of this run"):
+        train(tiny_cfg(tmp_path / "fresh", task=bad), progress=False)
+    run = copy_of(finished, tmp_path)
+    with pytest.raises(RewardError, match="holds no checkpoint of this run"):
+        train(tiny_cfg(run, task=bad, overwrite=True), progress=False)
+    assert not (run / "checkpoints").exists()
+    assert TrainConfig.from_yaml(run / "config.yaml").task == bad
+
+
+# ------------------------------------------------------------------------------ item 3: keep N
+def test_resume_falls_back_past_damaged_checkpoints_and_ends_exact(tmp_path):
+    """keep_checkpoints=3 keeps steps 2, 3, 4 of a 4-step run. With step 4's policy replaced by
+    garbage of the same size and step 3's state.json truncated, a resume warns naming both
+    files, starts from step 2, sets 3 and 4 aside, and ends bit-identical to the clean run."""
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    train(tiny_cfg(clean, steps=4), progress=False)
+    train(tiny_cfg(run, steps=4, keep_checkpoints=3), progress=False)
+    assert steps_kept(run) == ["step_000002", "step_000003", "step_000004"]
+    assert steps_kept(clean) == ["step_000003", "step_000004"]  # the default keeps 2
+    policy = run / "checkpoints" / "step_000004" / "policy.safetensors"
+    policy.write_bytes(b"\0" * policy.stat().st_size)
+    state = run / "checkpoints" / "step_000003" / "state.json"
+    state.write_text(state.read_text()[:40])
+    with pytest.warns(CheckpointFallbackWarning, match=r"(?s)step_000004/policy.safetensors: contents differ"
+                                                      r".*step_000003/state.json: \d+ bytes.*step_000002"):
+        train(read_run_config(run), resume=True, progress=False)
+    assert {"step_000004.damaged", "step_000003.damaged"} <= {p.name for p in (run / "checkpoints").iterdir()}
+    assert _metrics(run) == _metrics(clean)
+    assert_same_weights(final_weights(run, 4), final_weights(clean, 4))
+
+
+DAMAGE = {
+    "truncated policy": ("policy.safetensors", lambda p: p.write_bytes(p.read_bytes()[:50]), r"policy.safetensors: 50 bytes"),
+    "garbage optimizer": ("optimizer.safetensors", lambda p: p.write_bytes(b"x" * p.stat().st_size), r"optimizer.safetensors: contents differ"),
+    "truncated state": ("state.json", lambda p: p.write_text(p.read_text()[:-30]), r"state.json: \d+ bytes"),
+    "missing rng": ("rng.safetensors", lambda p: p.unlink(), r"rng.safetensors: missing"),
+    "missing manifest": ("manifest.json", lambda p: p.unlink(), r"manifest.json: missing"),
+    "garbage manifest": ("manifest.json", lambda p: p.write_text("{"), r"manifest.json: not readable JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_only_checkpoint_names_the_file(finished, tmp_path, case, capsys):
+    """Every kept checkpoint damaged the same way: resuming fails naming the file and what is
+    wrong with it, through the API and the CLI (exit 2, one line)."""
+    run = copy_of(finished, tmp_path)
+    name, damage, match = DAMAGE[case]
+    for step in (1, 2):
+        damage(run / "checkpoints" / f"step_{step:06d}" / name)
+    with pytest.raises(CheckpointError, match=f"no intact checkpoint.*{match}"):
+        train(read_run_config(run), resume=True, progress=False)
+    assert main(["train", "--quiet", "--resume", str(run), "--steps", "3"]) == 2
+    assert name in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda text: text[: text.index('"step": 2') + 5], r"metrics.jsonl: the lines of steps 1..2.*missing \[2\]"),
+    (lambda text: "{oops\n" + text.split("\n", 1)[1], r"metrics.jsonl: line 1 is not valid JSON"),
+])
+def test_a_damaged_metrics_log_names_the_file(finished, tmp_path, edit, match):
+    """metrics.jsonl cut inside step 2's line (the unfinished line is dropped, then step 2 is
+    missing) or with a garbage first line: the resume names the file and the problem."""
+    run = copy_of(finished, tmp_path)
+    log = run / "metrics.jsonl"
+    log.write_text(edit(log.read_text()))
+    with pytest.raises(ValueError, match=match):
+        train(read_run_config(run), resume=True, progress=False)
+
+
+# ------------------------------------------------------------------------------ item 4: the base
+def save_tiny(path: Path, seed: int, hidden: int = 64) -> Path:
+    tokenizer = byte_tokenizer()
+    tiny_causal_lm(tokenizer, hidden=hidden, layers=2, seed=seed, head_scale=1.0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_checkpoint_refuses_another_base_of_the_same_shapes(tmp_path, capsys):
+    """A LoRA run on model directory A. Replacing A's weights by those of B (same shapes,
+    another seed) makes resume and eval refuse, naming both fingerprints; pointing
+    config.yaml's model at B is refused naming both models."""
+    a, b = save_tiny(tmp_path / "a", seed=0), save_tiny(tmp_path / "b", seed=1)
+    run = tmp_path / "run"
+    train(tiny_cfg(run, steps=1, model=str(a), lora_rank=2, lora_targets="q_proj,v_proj"), progress=False)
+    recorded = json.loads((run / "checkpoints" / "step_000001" / "state.json").read_text())["base"]
+    assert recorded["model"] == str(a) and len(recorded["weights"]) == len(recorded["tokenizer"]) == 64
+
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace(str(a), str(b)))
+    with pytest.raises(CheckpointError, match=rf"model \('{a}' -> '{b}'\)"):
+        train(read_run_config(run), resume=True, progress=False)
+
+    (run / "config.yaml").write_text(config)
+    shutil.copy(b / "model.safetensors", a / "model.safetensors")
+    pattern = rf"trained on base model '{a}' \(weights {recorded['weights'][:12]}.*now loads weights (?!{recorded['weights'][:12]})"
+    with pytest.raises(CheckpointError, match=pattern):
+        train(read_run_config(run), resume=True, progress=False)
+    assert main(["eval", str(run), "--trust-task-code"]) == 2
+    assert "trained on base model" in one_error_line(capsys)
+
+
+def test_an_edited_lora_rank_or_width_names_the_config_and_checkpoint(finished, tmp_path):
+    """config.yaml edited after the run: lora_rank 0 -> 4, or a model of another width, is
+    refused naming the key with both values and the checkpoint."""
+    run = copy_of(finished, tmp_path)
+    edited = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**edited, "lora_rank": 4}))
+    with pytest.raises(CheckpointError, match=r"step_000002: written with another config.*lora_rank \(0 -> 4\)"):
+        train(read_run_config(run), resume=True, progress=False)
+    wide = save_tiny(tmp_path / "wide", seed=0, hidden=32)
+    (run / "config.yaml").write_text(yaml.safe_dump({**edited, "model": str(wide)}))
+    with pytest.raises(CheckpointError, match=rf"model \('tiny' -> '{wide}'\)"):
+        train(read_run_config(run), resume=True, progress=False)
+
+
+# ------------------------------------------------------------------------------ item 5: overrides
+def test_resume_with_steps_extends_the_run_exactly(finished, tmp_path, capsys):
+    """`--resume RUN --steps 3` on a finished 2-step run runs step 3 and ends with the metrics
+    and weights of an uninterrupted 3-step run; config.yaml then says 3. Changing the seed,
+    asking fewer steps than done, or adding --overwrite is refused by name (exit 2)."""
+    run = copy_of(finished, tmp_path)
+    clean = tmp_path / "clean"
+    train(tiny_cfg(clean, steps=3), progress=False)
+    assert main(["train", "--quiet", "--resume", str(run), "--steps", "3", "checkpoint_every=2"]) == 0
+    assert _metrics(run) == _metrics(clean)
+    assert_same_weights(final_weights(run, 3), final_weights(clean, 3))
+    assert TrainConfig.from_yaml(run / "config.yaml") == tiny_cfg(run, steps=3, checkpoint_every=2)
+    capsys.readouterr()
+    for extra, match in ((["--seed", "5"], "cannot change seed (0 -> 5)"),
+                         (["--steps", "2"], "steps: 2 is below the step of"),
+                         (["--overwrite"], "--overwrite contradict"),
+                         (["--out", str(clean)], "a resume writes into the run it continues")):
+        assert main(["train", "--quiet", "--resume", str(run), *extra]) == 2
+        assert match in one_error_line(capsys)
