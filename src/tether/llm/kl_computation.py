@@ -34,6 +34,7 @@ from tether.llm._token_grid import (
     read_mask,
     scopes_of,
 )
+from tether.models.batch_io import get_entry
 from tether.ops import kl_estimate, nested_to_padded
 
 __all__ = ["KLComputation"]
@@ -173,11 +174,11 @@ class KLComputation(TensorDictModuleBase):
 
     @staticmethod
     def _read(scopes: tuple[TensorDictBase, ...], scope: TensorDictBase, key: NestedKey) -> TokenGrid:
-        value = scope.get(key)
+        value = get_entry(scope, key)
         if not isinstance(value, Tensor) or value.is_nested:
             return read_grid(scope, key)
         mask_scope = find(scopes, ATTENTION_KEY)
-        mask = None if mask_scope is None else mask_scope.get(ATTENTION_KEY)
+        mask = None if mask_scope is None else get_entry(mask_scope, ATTENTION_KEY)
         if mask is not None and (mask.is_nested or mask.shape != value.shape[:2]):
             raise ValueError(
                 f"{ATTENTION_KEY!r}: expected a padded mask of shape {tuple(value.shape[:2])} "
@@ -201,7 +202,7 @@ class KLComputation(TensorDictModuleBase):
 
     def _reward_grid(self, target: TensorDictBase, gen: TokenGrid) -> Tensor:
         """The reward as ``[B, T, 1]`` aligned with the log-probs."""
-        reward = target.get(self.reward_key)
+        reward = get_entry(target, self.reward_key)
         batch, width = gen.valid.shape
         if reward.is_nested:
             if not gen.nested:

@@ -46,7 +46,7 @@ from tether.llm._token_grid import (
     target_of,
 )
 from tether.models import TransformersWrapper, tokenize_chats
-from tether.models.batch_io import read_chats, read_ragged, write_ragged
+from tether.models.batch_io import get_entry, read_chats, read_ragged, write_ragged
 from tether.ops import padded_to_nested
 
 __all__ = ["RetrieveLogProb"]
@@ -170,7 +170,7 @@ class RetrieveLogProb(TensorDictModuleBase):
 
     def _score_batch_tokens(self, td: TensorDictBase) -> ScoredBatch:
         ids, mask = read_ragged(td, TOKENS_KEY, ATTENTION_KEY)
-        nested = td.get(TOKENS_KEY).is_nested
+        nested = get_entry(td, TOKENS_KEY).is_nested
         assistant = None
         found = read_ragged(td, ASSISTANT_KEY, ATTENTION_KEY, required=False)
         if found is not None:
