@@ -161,7 +161,7 @@ def _ref_log_probs(td: TensorDictBase, key: NestedKey) -> Tensor:
         if present(td, candidate):
             return _fetch(td, candidate, "the reference log-probs")
     raise missing(
-        td, key, f"the reference log-probs (also looked up at {candidates[1:]})",
+        td, key, f"the reference log-probs (also looked up under 'next'{', and at ' + repr(candidates[2:]) if len(candidates) > 2 else ''})",
         "Add them with tether.llm.RetrieveLogProb / RetrieveKL / KLRewardTransform, or pass kl_to_ref_coeff=None.",
     )
 
