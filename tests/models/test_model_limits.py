@@ -122,26 +122,26 @@ def test_sampling_refuses_prompt_ids_past_the_vocabulary():
         _sample(_gpt2(vocab=100), torch.tensor([[1, 120]]), _ones(1, 2))
 
 
-def test_empty_prompt_inside_a_batch_is_refused(llama):
-    """Before: row 1 (no prompt token) was answered from the pad token at the last column."""
-    ids = torch.tensor([[1, 2, 3], [259, 259, 259]])
-    mask = torch.tensor([[True, True, True], [False, False, False]])
-    with pytest.raises(ValueError, match=r"prompt_mask: rows \[1\] \(of 2\) have no prompt token.*Drop empty prompts"):
-        _sample(llama, ids, mask)
+@pytest.mark.parametrize(
+    "ids, mask, pattern",
+    [
+        # Before: row 1 (no prompt token) was answered from the pad token at the last column.
+        ([[1, 2, 3], [259, 259, 259]], [[1, 1, 1], [0, 0, 0]],
+         r"prompt_mask: rows \[1\] \(of 2\) have no prompt token.*Drop empty prompts"),
+        # The first token would be sampled after a pad: the layout is named instead.
+        ([[1, 2, 3], [4, 5, 259]], [[1, 1, 1], [1, 1, 0]],
+         r"rows \[1\] end on padding; sampling expects left-padded"),
+    ],
+)
+def test_prompts_that_end_on_padding_are_refused(llama, ids, mask, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        _sample(llama, torch.tensor(ids), torch.tensor(mask).bool())
 
 
 def test_all_empty_prompt_batch_is_refused(llama):
     """Before: a ``[B, 0]`` prompt batch failed inside torch with a bare error."""
     with pytest.raises(ValueError, match=r"prompt_mask: rows \[0, 1\] \(of 2\) have no prompt token"):
         _sample(llama, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool))
-
-
-def test_right_padded_prompts_are_refused(llama):
-    """The first token would be sampled after a pad: the layout is named instead."""
-    ids = torch.tensor([[1, 2, 3], [4, 5, 259]])
-    mask = torch.tensor([[True, True, True], [True, True, False]])
-    with pytest.raises(ValueError, match=r"rows \[1\] end on padding; sampling expects left-padded"):
-        _sample(llama, ids, mask)
 
 
 def test_wrapper_refuses_an_empty_text_prompt(llama):

@@ -15,15 +15,7 @@ import math
 import pytest
 import torch
 
-from tether.ops import (
-    exact_kl,
-    exact_kl_from_hidden,
-    token_entropy,
-    token_entropy_from_hidden,
-    token_logprobs,
-    token_logprobs_from_hidden,
-    token_stats_from_hidden,
-)
+from tether import ops
 
 F64 = torch.float64
 NEG = float("-inf")
@@ -63,7 +55,7 @@ def test_token_logprobs_names_the_dead_position(chunk_size):
     """Before: log p = NaN at (1, 2), no message."""
     labels = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=LABEL_ERROR.format(src="logits")):
-        token_logprobs(_logits(), labels, chunk_size=chunk_size)
+        ops.token_logprobs(_logits(), labels, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
@@ -71,9 +63,9 @@ def test_hidden_label_functions_name_the_dead_position(with_entropy):
     hidden, weight = _head()
     labels = torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=LABEL_ERROR.format(src="hidden")):
-        token_stats_from_hidden(hidden, weight, labels, chunk_size=2, with_entropy=with_entropy)
+        ops.token_stats_from_hidden(hidden, weight, labels, chunk_size=2, with_entropy=with_entropy)
     with pytest.raises(ValueError, match=LABEL_ERROR.format(src="hidden")):
-        token_logprobs_from_hidden(hidden, weight, labels, chunk_size=2)
+        ops.token_logprobs_from_hidden(hidden, weight, labels, chunk_size=2)
 
 
 def test_out_of_range_labels_are_still_named_with_dead_positions_present():
@@ -81,15 +73,15 @@ def test_out_of_range_labels_are_still_named_with_dead_positions_present():
     longer indexes with the bad id (``gather`` would fail first, a device assert on GPU)."""
     labels = torch.tensor([[0, 1, 2], [3, 4, 0]])
     with pytest.raises(ValueError, match=r"labels must lie in \[0, V\) = \[0, 4\), got values in \[0, 4\]"):
-        token_logprobs(_logits(), labels)
+        ops.token_logprobs(_logits(), labels)
 
 
 def test_one_finite_logit_is_enough():
     """Row [-inf, 0, -inf, -inf]: p = onehot(1), log p_1 = 0, log p_0 = -inf; no error."""
     logits = torch.full((1, 4), NEG, dtype=F64)
     logits[0, 1] = 0.0
-    assert token_logprobs(logits, torch.tensor([1])).item() == 0.0
-    assert token_logprobs(logits, torch.tensor([0])).item() == -math.inf
+    assert ops.token_logprobs(logits, torch.tensor([1])).item() == 0.0
+    assert ops.token_logprobs(logits, torch.tensor([0])).item() == -math.inf
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
@@ -99,7 +91,7 @@ def test_token_entropy_is_nan_there_and_its_gradient_zero(chunk_size):
     at (1, 2). Before: the gradient at (1, 2) was NaN although masked, and through a
     shared ``lm_head`` such a row spreads NaN to every parameter."""
     logits = _logits().requires_grad_()
-    ent = token_entropy(logits, chunk_size=chunk_size)
+    ent = ops.token_entropy(logits, chunk_size=chunk_size)
     keep = torch.ones(2, 3, dtype=torch.bool)
     keep[1, 2] = False
     assert torch.isnan(ent[1, 2]) and not torch.isnan(ent[keep]).any()
@@ -129,7 +121,7 @@ def test_entropy_from_hidden_masked_dead_positions_give_zero_gradients():
     """Every position dead: entropy NaN everywhere; with all of them masked out the
     gradients of hidden, weight and bias are exactly 0. Before: all NaN."""
     hidden, weight, bias = _dead_bias_head()
-    ent = token_entropy_from_hidden(hidden, weight, lm_head_bias=bias, chunk_size=4)
+    ent = ops.token_entropy_from_hidden(hidden, weight, lm_head_bias=bias, chunk_size=4)
     assert torch.isnan(ent).all()
     torch.where(torch.zeros(2, 3, dtype=torch.bool), ent, 0.0).sum().backward()
     for grad in (hidden.grad, weight.grad, bias.grad):
@@ -142,7 +134,7 @@ def test_exact_kl_dead_policy_row_is_nan_with_zero_gradient():
     ref = torch.randn(2, 3, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
     ref[0, 0] = NEG  # policy row (0, 0) is finite: KL +inf, see the next test
     ref[1, 2] = NEG  # both dead at (1, 2)
-    kl = exact_kl(logits, ref, chunk_size=2)
+    kl = ops.exact_kl(logits, ref, chunk_size=2)
     assert torch.isnan(kl[1, 2]) and kl[0, 0] == math.inf
     keep = torch.ones(2, 3, dtype=torch.bool)
     keep[1, 2] = keep[0, 0] = False
@@ -157,7 +149,7 @@ def test_exact_kl_dead_policy_row_is_nan_with_zero_gradient():
 def test_exact_kl_dead_reference_row_is_plus_inf():
     """p = softmax([0, 0]) puts mass where q (all -inf) has none: KL = +inf, the true value
     (documented for a single forbidden entry). Before: NaN."""
-    kl = exact_kl(torch.zeros(1, 2, dtype=F64), torch.full((1, 2), NEG, dtype=F64))
+    kl = ops.exact_kl(torch.zeros(1, 2, dtype=F64), torch.full((1, 2), NEG, dtype=F64))
     assert kl.item() == math.inf
 
 
@@ -167,12 +159,12 @@ def test_exact_kl_from_hidden_dead_policy_rows():
     hidden, weight, bias = _dead_bias_head()
     ref_hidden = torch.randn(2, 3, 3, dtype=F64, generator=torch.Generator().manual_seed(3))
     ref_weight = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(4))
-    kl = exact_kl_from_hidden(hidden, weight, ref_hidden, ref_weight, lm_head_bias=bias, chunk_size=4)
+    kl = ops.exact_kl_from_hidden(hidden, weight, ref_hidden, ref_weight, lm_head_bias=bias, chunk_size=4)
     assert torch.isnan(kl).all()
     torch.where(torch.zeros(2, 3, dtype=torch.bool), kl, 0.0).sum().backward()
     for grad in (hidden.grad, weight.grad, bias.grad):
         assert torch.equal(grad, torch.zeros_like(grad))
-    dead_ref = exact_kl_from_hidden(
+    dead_ref = ops.exact_kl_from_hidden(
         hidden.detach(), weight.detach(), ref_hidden, ref_weight,
         ref_lm_head_bias=torch.full((4,), NEG, dtype=F64), chunk_size=4,
     )

@@ -36,11 +36,12 @@ def _rows(module: object) -> int | None:
 def model_limits(model: nn.Module) -> ModelLimits:
     """The vocabulary (fewest rows of input and output embeddings) and position limit."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    sizes = [
-        _rows(getattr(inner, getter)())
-        for getter in ("get_input_embeddings", "get_output_embeddings")
-        if hasattr(inner, getter)
-    ]
+    sizes = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            sizes.append(_rows(getattr(inner, getter)()))
+        except (AttributeError, NotImplementedError):
+            continue  # a model that does not expose this embedding: nothing to check
     sizes = [s for s in sizes if s is not None]
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
