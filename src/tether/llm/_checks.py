@@ -14,6 +14,24 @@ from tether.ops.registry import lookup
 
 
 
+def check_assistant_rows(assistant: torch.Tensor, source: str) -> None:
+    """Every row of an assistant-only batch must hold at least one assistant token.
+
+    A chat without an assistant turn has an all-False assistant mask: with
+    ``assistant_only=True`` its log-probs (and any KL built on them) would be a row of zeros
+    that silently contributes nothing.
+    """
+    if assistant.numel() == 0 or bool(assistant.any(-1).all()):
+        return
+    empty = (~assistant.any(-1)).nonzero().flatten().tolist()
+    raise ValueError(
+        f"{source}: rows {empty[:8]} (of {assistant.shape[0]}) have no assistant token, e.g. a "
+        "chat without an assistant turn; with assistant_only=True they would score to all-zero "
+        "rows. Add the assistant reply to those chats, drop them from the batch, or pass "
+        "assistant_only=False to score every token."
+    )
+
+
 def check_coef(name: str, value: Any) -> float:
     """A finite, non-negative KL coefficient as a Python float."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:

@@ -35,7 +35,13 @@ from tensordict.utils import NestedKey
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from tether.llm._checks import check_assistant_only, check_padding_side, check_scorer, check_tokenizers
+from tether.llm._checks import (
+    check_assistant_only,
+    check_assistant_rows,
+    check_padding_side,
+    check_scorer,
+    check_tokenizers,
+)
 from tether.llm._token_grid import (
     ASSISTANT_KEY,
     ATTENTION_KEY,
@@ -169,6 +175,8 @@ class RetrieveLogProb(TensorDictModuleBase):
                 f"none. Present keys: {present_keys((td,))}. Score chats with "
                 "input_mode='history', add the mask to the batch, or pass assistant_only=False."
             )
+        if self.assistant_only:
+            check_assistant_rows(scored.assistant, repr(ASSISTANT_KEY))
         return scored
 
     def _score_batch_tokens(self, td: TensorDictBase) -> ScoredBatch:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether.models._limits import check_fits_model
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
@@ -39,6 +40,7 @@ from tether.ops import (
     token_logprobs,
     token_stats_from_hidden,
 )
+from tether.ops._vocab_checks import check_token_ids
 
 # Most ``rows * longest_row`` tokens per forward pass. Measured on the embedded model on CPU
 # (benchmarks/scoring.py): 1024 scores mixed-length chats about 20 % faster than 4096, which
@@ -141,6 +143,8 @@ def score_tokens(
         )
     if token_budget < 1:
         raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    check_token_ids("tokens", tokens)
+    check_fits_model(model, tokens, attention_mask)
     with ExitStack() as stack:
         if isinstance(model, AdapterDisabledReference):
             # The reference shares the policy's weights: score the base model with the adapter
@@ -234,6 +238,9 @@ def exact_kl_tokens(
     parts = causal_lm_parts(model)
     device = parts.head.weight.device
     batch, width = tokens.shape
+    check_token_ids("tokens", tokens)
+    check_fits_model(model, tokens, attention_mask)
+    check_fits_model(reference, tokens, attention_mask)
     kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     values: list[Tensor] = []
     index: list[Tensor] = []
