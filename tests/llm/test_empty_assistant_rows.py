@@ -55,7 +55,7 @@ def test_tokens_with_an_empty_assistant_row_are_refused(setup):
         ("masks", "all_assistant_mask"): torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [0, 1, 1, 1]]).bool(),
     }, batch_size=[3])
     with pytest.raises(ValueError, match=ERROR):
-        RetrieveLogProb(_scorer(tok, model, input_mode="tokens"))(td)
+        RetrieveLogProb(_scorer(tok, model))(td)  # history mode scores the batch's own tokens
 
 
 def test_kl_transforms_refuse_it_before_writing_a_kl(setup):
