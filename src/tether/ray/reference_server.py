@@ -32,6 +32,7 @@ from torch import Tensor
 from tether.llm._checks import vocab_size
 from tether.llm.retrieve_kl import resolve_reference
 from tether.models import TransformersWrapper
+from tether.models.weights import load_named
 from tether.ray._checks import check_batch, check_group, check_token_range
 from tether.ray._packing import pack_rows, unpack_rows
 from tether.ray._runtime import place_scorer
@@ -302,15 +303,7 @@ class ReferenceServer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._load, state, version)
 
     def _load(self, state: dict[str, Tensor], version: str | None) -> int:
-        params = dict(self.scorer.model.named_parameters(remove_duplicate=False))
-        unknown = sorted(set(state) - set(params))
-        if unknown:
-            raise KeyError(
-                f"load_weights: {unknown[:5]} are not parameters of the service's reference "
-                f"(it has e.g. {sorted(params)[:3]}). Send tensors named like the reference's parameters."
-            )
-        with torch.no_grad():
-            for name, value in state.items():
-                params[name].copy_(value)
+        load_named(self.scorer.model, state, owner="load_weights: the service's reference",
+                   fix="Send tensors named like the reference's parameters.")
         self._weights_version = None if version is None else str(version)
         return len(state)

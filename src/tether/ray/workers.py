@@ -45,6 +45,7 @@ from tether.llm import chat_batch
 from tether.llm.keys import REFERENCE_LOG_PROBS
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.batch_io import read_objects, write_objects
+from tether.models.weights import load_named
 from tether.ray._runtime import (
     actor_resources,
     check_seconds,
@@ -185,23 +186,14 @@ class RolloutWorker:
         self.tokenizer = built.tokenizer
         self.reference = reference
         self.settings = settings
-        self.params = dict(self.policy.named_parameters())
 
     def ready(self) -> int:
         return os.getpid()
 
     def load_weights(self, state: dict[str, Tensor]) -> int:
         """Copy named parameters from the learner; returns how many were copied."""
-        unknown = sorted(set(state) - set(self.params))
-        if unknown:
-            raise KeyError(
-                f"load_weights: {unknown[:5]} are not parameters of worker {self.index}'s policy. "
-                "Build the workers' policies with the learner's configuration."
-            )
-        with torch.no_grad():
-            for name, value in state.items():
-                self.params[name].copy_(value)
-        return len(state)
+        return load_named(self.policy, state, owner=f"load_weights: worker {self.index}'s policy",
+                          fix="Build the workers' policies with the learner's configuration.")
 
     def sample(self, chats: list, seed: int, request_id: str, group: str, group_rows: int) -> RolloutShard:
         start = time.perf_counter()

@@ -31,6 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tether.models.weights import load_named
+
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -195,18 +197,17 @@ def load_checkpoint(
     """Load weights and optimizer state in place; return the JSON state and the RNG tensors."""
     weights = load_file(str(path / "policy.safetensors"))
     _check_fits(path / "policy.safetensors", weights, _trainable(policy))
-    params = dict(policy.named_parameters())
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
-        if reference is not None and (path / "reference.safetensors").is_file():
-            ref_params = dict(reference.named_parameters())
-            for name, value in load_file(str(path / "reference.safetensors")).items():
-                ref_params[name].copy_(value)
+    load_named(policy, weights, owner=f"the policy ({path / 'policy.safetensors'})", fix=_REFIT)
+    if reference is not None and (path / "reference.safetensors").is_file():
+        load_named(reference, load_file(str(path / "reference.safetensors")),
+                   owner=f"the reference ({path / 'reference.safetensors'})", fix=_REFIT)
     state = read_state(path)
     _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state.pop("optimizer"))
     rng = load_file(str(path / "rng.safetensors"))
     return Checkpoint(step=int(state["step"]), state=state, path=path), rng
+
+
+_REFIT = "Was config.yaml's model, lora_rank or lora_targets changed since the run started?"
 
 
 def _check_fits(file: Path, saved: dict[str, torch.Tensor], model: dict[str, torch.Tensor]) -> None:
