@@ -48,3 +48,16 @@ def best_root(run_dir: Path) -> Path:
 def due(eval_every: int, done: int) -> bool:
     """Whether the periodic evaluation runs after ``done`` steps."""
     return bool(eval_every) and done % eval_every == 0
+
+
+def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
+    """Every ``eval_every`` steps: ``eval_accuracy`` into the step's ``record``; True on a new best."""
+    from tether.train.evaluate import evaluate
+
+    cfg = run.cfg
+    if not due(cfg.eval_every, done):
+        return False
+    record["eval_accuracy"] = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
+                                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
+                                       with_kl=False).accuracy
+    return run.best.offer(done, record["eval_accuracy"])

@@ -3,9 +3,10 @@
 
 Each step draws ``prompts_per_step`` problems, samples ``group_size`` answers per problem,
 scores them with the task's reward, gets the reference log-probs, turns rewards into group
-advantages, and takes one optimizer step on ``GRPOLoss`` (gradient accumulated over
-micro-batches with full-batch denominators, so the update does not depend on the
-micro-batch size). The KL leash is either a gradient-correct loss term (default) or a k1
+advantages, and takes ``updates_per_rollout`` optimizer steps on ``GRPOLoss`` over mini-batches
+of the step's batch (``tether.train.updates``; one by default), each with its gradient
+accumulated over micro-batches with full-batch denominators, so an update does not depend on
+the micro-batch size). The learning rate follows ``tether.train.schedule``. The KL leash is either a gradient-correct loss term (default) or a k1
 per-token reward penalty with reward-to-go; its coefficient can follow an adaptive controller.
 
 Determinism: problems are a pure function of (seed, index), sampling uses its own seeded
@@ -31,7 +32,7 @@ from tether.llm import chat_batch
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.objectives import GRPOLoss, GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
-from tether.train.best import BestEval, best_root, due
+from tether.train.best import BestEval, best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
 from tether.train.evaluate import evaluate
@@ -42,7 +43,7 @@ from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import build_models, reference_scorer
 from tether.train.tasks import Problem, Task, load_task
-from tether.train.tracking import CompletionLog, NullTracker, completion_rows, make_tracker
+from tether.train.tracking import CompletionLog, NullTracker, log_completions, make_tracker
 from tether.train.updates import minibatch_bounds, store_old_log_probs
 
 
@@ -273,7 +274,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     lr = run.optimizer.param_groups[0]["lr"]
     opt = optimize(run, batch, step)
     run.scheduler.step()
-    _log_completions(run, step + 1, batch, problems, rewards, correct)
+    log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], batch, rewards, correct)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     kl_coef_used = float(run.coef.kl_coef)
@@ -297,28 +298,6 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "step_time": elapsed,
         "tokens_per_s": float(batch["masks", "all_attention_mask"].sum()) / elapsed,
     }
-
-
-def _log_completions(run: Run, done: int, batch, problems: list[Problem], rewards: torch.Tensor,
-                     correct: torch.Tensor) -> None:
-    if not due(run.cfg.log_completions_every, done):
-        return
-    rows = completion_rows(done, [p.chat[-1]["content"] for p in problems], batch.get(("text", "response")).tolist(),
-                           rewards.tolist(), correct.tolist())
-    CompletionLog(run.dir).append(rows)
-    run.tracker.completions(done, rows)
-
-
-def _periodic_eval(run: Run, done: int, record: dict[str, Any], extra: dict[str, Any]) -> None:
-    """``eval_accuracy`` into the step's record every ``eval_every`` steps; a new best is checkpointed."""
-    if not due(run.cfg.eval_every, done):
-        return
-    cfg = run.cfg
-    record["eval_accuracy"] = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
-                                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                                       with_kl=False).accuracy
-    if run.best.offer(done, record["eval_accuracy"]):
-        _save(run, done, extra, root=best_root(run.dir), keep=1)
 
 
 # ------------------------------------------------------------------------------ state
@@ -387,7 +366,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                    disable=not progress, dynamic_ncols=True)
         for step in bar:
             record = train_step(run, step)
-            _periodic_eval(run, step + 1, record, extra)
+            if periodic_eval(run, step + 1, record):
+                _save(run, step + 1, extra, root=best_root(run.dir), keep=1)
             run.metrics.append(record)
             run.tracker.scalars(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tether.ops.registry import lookup
+from tether.train.best import due
 
 COMPLETIONS_FILE = "completions.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -89,13 +90,17 @@ def completions_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def completion_rows(step: int, prompts: list[str], completions: list[str], rewards: list[float],
-                    correct: list[float]) -> list[dict[str, Any]]:
-    """The first ``COMPLETION_ROWS`` samples of a step as JSON-ready rows."""
-    rows = []
-    for prompt, completion, reward, ok in list(zip(prompts, completions, rewards, correct))[:COMPLETION_ROWS]:
-        rows.append({"step": step, "prompt": prompt, "completion": completion, "reward": reward, "correct": ok})
-    return rows
+def log_completions(run: Any, done: int, prompts: list[str], batch: Any, rewards: Any, correct: Any) -> None:
+    """Every ``log_completions_every`` steps: the first ``COMPLETION_ROWS`` samples of the step's
+    batch (``[B]`` rewards and correctness) to ``completions.jsonl`` and the run's tracker."""
+    if not due(run.cfg.log_completions_every, done):
+        return
+    answers = batch.get(("text", "response")).tolist()
+    rows = [{"step": done, "prompt": prompt, "completion": answer, "reward": reward, "correct": ok}
+            for prompt, answer, reward, ok in zip(prompts, answers, rewards.tolist(), correct.tolist())]
+    rows = rows[:COMPLETION_ROWS]
+    CompletionLog(run.dir).append(rows)
+    run.tracker.completions(done, rows)
 
 
 class CompletionLog:
