@@ -63,7 +63,7 @@ class TrainConfig:
     # --- loop
     updates_per_rollout: int = _f(1, "Optimizer steps per rollout: the step's batch is cut into this many mini-batches, each one update; later ones are off-policy (clip, ESS and the importance-weighted KL act).")
     lr_schedule: str = _f("constant", "Learning-rate schedule over the steps after warm-up: constant, linear (to 0) or cosine (to 0).")
-    warmup_steps: int = _f(0, "Steps of linear warm-up from 0 to learning_rate.")
+    warmup_steps: int = _f(0, "Steps of linear warm-up: step s < K uses (s + 1) / (K + 1) of learning_rate.")
     eval_every: int = _f(0, "Score the held-out set every K steps (logged as eval_accuracy) and keep the best checkpoint in best/; 0 disables.")
     # --- tracking
     report_to: str = _f("none", "Tracker besides metrics.jsonl: none or tensorboard (event files in tensorboard/).")
