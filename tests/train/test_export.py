@@ -81,7 +81,7 @@ def test_export_reloads_with_the_trained_log_probs(trained, tmp_path, merge):
     assert float((base_lp - expected).abs().max()) > 1e-3
 
 
-def test_export_refuses_a_non_empty_out_and_a_missing_best(trained, tmp_path, capsys):
+def test_export_and_eval_refuse_a_non_empty_out_and_a_missing_best(trained, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -94,6 +94,12 @@ def test_export_refuses_a_non_empty_out_and_a_missing_best(trained, tmp_path, ca
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tether export: ") and "config.yaml: not found" in err
+    capsys.readouterr()
+    assert main(["eval", str(trained), "--best", "--trust-task-code"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tether eval: --best: ") and "no best checkpoint" in err
+    assert main(["eval", "--best"]) == 2
+    assert "give the run directory" in capsys.readouterr().err
 
 
 @pytest.mark.integration

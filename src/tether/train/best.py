@@ -40,9 +40,14 @@ class BestEval:
         self.step, self.accuracy = state.get("step"), state.get("accuracy")
 
 
-def best_root(run_dir: Path) -> Path:
-    """The directory whose ``checkpoints/`` holds the best checkpoint of ``run_dir``."""
-    return Path(run_dir) / BEST_DIR
+def best_root(run_dir: Path, *, required: bool = False) -> Path:
+    """The directory whose ``checkpoints/`` holds the best checkpoint of ``run_dir``; with
+    ``required``, a ``ValueError`` for ``--best`` if the run kept none."""
+    root = Path(run_dir) / BEST_DIR
+    if required and not (root / "checkpoints").is_dir():
+        raise ValueError(f"--best: {run_dir} has no best checkpoint ({root}/checkpoints); the run kept none "
+                         "because it ran without eval_every. Use its latest checkpoint: leave out --best.")
+    return root
 
 
 def due(eval_every: int, done: int) -> bool:

@@ -105,6 +105,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from tether.train.best import best_root
     from tether.train.evaluate import evaluate
     from tether.train.recipe import build_run
     from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
@@ -120,11 +121,11 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         cfg = TrainConfig().override({"model": args.model, "task": args.task, "out": "runs/eval"})
     cfg = cfg.override({"eval_size": args.eval_size}) if args.eval_size else cfg
+    if args.best and not args.run:
+        raise ValueError("--best: give the run directory whose best checkpoint to score (tether eval RUN --best).")
+    root = best_root(Path(args.run), required=True) if args.best else None
     run = build_run(cfg)
     if args.run:
-        from tether.train.best import best_root
-
-        root = best_root(Path(args.run)) if args.best else None
         open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"), root=root)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature)

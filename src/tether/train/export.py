@@ -66,14 +66,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, bes
     run_dir, out = Path(run_dir), Path(out)
     _check_out(out)
     cfg = read_run_config(run_dir)
-    if best and not (best_root(run_dir) / "checkpoints").is_dir():
-        raise ValueError(f"--best: {run_dir} has no best checkpoint ({best_root(run_dir)}/checkpoints); the run "
-                         "kept none because it ran without eval_every. Export its latest checkpoint without --best.")
+    root = best_root(run_dir, required=True) if best else None
     models = build_models(cfg)
     trainable = [p for p in models.policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable)  # receives the checkpoint's optimizer state; then dropped
-    ckpt, _ = open_checkpoint(cfg, models, optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"),
-                              root=best_root(run_dir) if best else None)
+    ckpt, _ = open_checkpoint(cfg, models, optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"), root=root)
     tmp = out.with_name(f".{out.name}.tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
