@@ -6,8 +6,9 @@ scores them with the task's reward, gets the reference log-probs, turns rewards 
 advantages, and takes ``updates_per_rollout`` optimizer steps on ``GRPOLoss`` over mini-batches
 of the step's batch (``tether.train.updates``; one by default), each with its gradient
 accumulated over micro-batches with full-batch denominators, so an update does not depend on
-the micro-batch size). The learning rate follows ``tether.train.schedule``. The KL leash is either a gradient-correct loss term (default) or a k1
-per-token reward penalty with reward-to-go; its coefficient can follow an adaptive controller.
+the micro-batch size. The learning rate follows ``tether.train.schedule``. The KL leash is
+either a gradient-correct loss term (default) or a k1 per-token reward penalty with
+reward-to-go; its coefficient can follow an adaptive controller.
 
 Determinism: problems are a pure function of (seed, index), sampling uses its own seeded
 generator, and checkpoints carry every piece of state, so a run killed after any checkpoint
