@@ -146,7 +146,7 @@ def _draw_held_out(ax, run_dir: Path, records: list[dict[str, Any]]) -> None:
         ax.plot([records[-1]["step"]], [summary["accuracy_after"]], marker="*", markersize=11, linestyle="",
                 color="tab:red", label=f"held-out after {summary['accuracy_after']:.2f}")
     if evals or summary:
-        ax.legend(loc="lower right", fontsize=7)
+        ax.legend(loc="best", fontsize=7)
 
 
 def _style(ax, key: str, title: str, ylabel: str) -> None:
