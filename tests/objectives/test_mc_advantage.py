@@ -243,5 +243,5 @@ def test_missing_keys_and_aliases():
         MCAdvantage(2).add(td)
     mc = MCAdvantage(2)
     assert mc._inv_call(steps(["a"], [1])) is None and mc.inv(steps(["a"], [0])) is not None
-    td = steps(["a"], [1])
+    td = MCAdvantage(1).add(steps(["a"], [1]))
     assert mc(td) is td

@@ -39,6 +39,17 @@ def check_estimator(value: Any) -> str:
     return value
 
 
+def check_assistant_only(assistant_only: Any, input_mode: str) -> None:
+    """``assistant_only=True`` needs chats: text and token inputs carry no assistant turns."""
+    if assistant_only and input_mode != "history":
+        raise ValueError(
+            f"assistant_only=True needs a model with input_mode='history' (the assistant mask "
+            f"comes from the chat template), got input_mode={input_mode!r}. Pass "
+            "assistant_only=False to score every token, or build the scorer with "
+            "input_mode='history' (it scores a batch's own tokens and assistant mask when present)."
+        )
+
+
 def check_scorer(model: Any, name: str = "model") -> TransformersWrapper:
     """``model`` must be a ``TransformersWrapper`` set up to score, returning log-probs."""
     if not isinstance(model, TransformersWrapper):

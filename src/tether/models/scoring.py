@@ -216,12 +216,21 @@ def exact_kl_tokens(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    where: Tensor | None = None,
 ) -> Tensor:
     """Exact KL(pi(.|x_<t) || pi_ref(.|x_<t)) at every position ``t`` of ``tokens [B, T]``.
 
     Aligned like log-probs: entry ``t`` is the KL of the distributions that predict token
     ``t``; 0 at each row's first token and at padding. Full-vocabulary, never ``[B, T, V]``.
+    ``where`` (``bool [B, T]``, e.g. the assistant mask) limits the vocabulary-wide work to
+    those positions (0 elsewhere): the decoders still read whole rows for the context, but
+    the two heads, the softmaxes and the KL run only where the value is wanted.
     """
+    if where is not None and (where.shape != tokens.shape or where.dtype != torch.bool):
+        raise ValueError(
+            f"where: expected a bool mask of the tokens' shape {tuple(tokens.shape)}, got "
+            f"{where.dtype} {tuple(where.shape)}. Pass e.g. the assistant mask, or None for every position."
+        )
     parts = causal_lm_parts(model)
     device = parts.head.weight.device
     batch, width = tokens.shape
@@ -235,13 +244,14 @@ def exact_kl_tokens(
             if isinstance(reference, AdapterDisabledReference):
                 ref = stack.enter_context(reference.disabled())
             ref_hidden, ref_head = _last_hidden(ref, mb.ids, mb.valid)
-        kl = exact_kl_from_hidden(
-            hidden[:, :-1], head.weight, ref_hidden[:, :-1], ref_head.weight,
+        # Kept positions, flattened in the order of mb.flat_index, then narrowed to ``where``.
+        chosen = torch.ones_like(mb.flat_index, dtype=torch.bool) if where is None else where.reshape(-1).to(device)[mb.flat_index]
+        values.append(exact_kl_from_hidden(
+            hidden[:, :-1][mb.keep][chosen], head.weight, ref_hidden[:, :-1][mb.keep][chosen], ref_head.weight,
             temperature=temperature, lm_head_bias=getattr(head, "bias", None),
             ref_lm_head_bias=getattr(ref_head, "bias", None), **kwargs,
-        )
-        values.append(kl[mb.keep])
-        index.append(mb.flat_index)
+        ))
+        index.append(mb.flat_index[chosen])
     return scatter_tokens(index, values, batch, width, device)
 
 

@@ -77,6 +77,6 @@ def measure_kl(batch: Any, sampled: Tensor, *, policy: torch.nn.Module | None, r
     exact = None
     if policy is not None:
         per_token = exact_kl_tokens(policy, reference, batch["tokens", "full"],
-                                    batch["masks", "all_attention_mask"], temperature=temperature)
+                                    batch["masks", "all_attention_mask"], temperature=temperature, where=mask)
         exact = (per_token.to(mask.device) * mask).sum(-1).double().cpu()
     return KLMeasurement(sampled=sampled.detach().double().cpu(), exact=exact, tokens=int(mask.sum()))
