@@ -39,8 +39,8 @@ def poison_step(monkeypatch, bad_call: int) -> None:
     """Make the ``bad_call``-th gradient accumulation (1-based) leave NaN gradients."""
     real, calls = recipe.accumulate_gradients, []
 
-    def poisoned(run, batch):
-        sums = real(run, batch)
+    def poisoned(run, batch, *kept):
+        sums = real(run, batch, *kept)
         calls.append(1)
         if len(calls) == bad_call:
             for p in run.models.policy.parameters():

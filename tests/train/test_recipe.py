@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from tether.train.config import TrainConfig
-from tether.train.metrics import PLOTTED, curve_data
+from tether.train.metrics import PLOTTED, curve_data, plotted_panels
 from tether.train.recipe import RewardError, accumulate_gradients, build_run, rollout, score_rewards, add_advantages, train
 
 HERE = Path(__file__).parent
@@ -44,7 +45,7 @@ def test_end_to_end_writes_every_file(tmp_path):
     assert any(r["kl_per_seq"] != 0 for r in records[1:])  # and it moved afterwards
     saved = json.loads((run / "summary.json").read_text())
     assert saved == summary and summary["steps"] == 3
-    for key, _, _ in PLOTTED:
+    for key, _, _ in plotted_panels(yaml.safe_load((run / "config.yaml").read_text())):
         assert (run / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert {p.name for p in latest.iterdir()} >= {"policy.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"}

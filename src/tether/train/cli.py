@@ -1,4 +1,4 @@
-"""The ``tether`` command line: ``train``, ``eval`` and ``plot``.
+"""The ``tether`` command line: ``train``, ``eval``, ``export`` and ``plot``.
 
 ``tether train`` flags are generated from ``TrainConfig``'s fields (``--prompts-per-step 8``
 sets ``prompts_per_step``), and their help is the field documentation. ``--config FILE``
@@ -105,6 +105,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from tether.train.best import best_root
     from tether.train.evaluate import evaluate
     from tether.train.recipe import build_run
     from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
@@ -120,12 +121,26 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         cfg = TrainConfig().override({"model": args.model, "task": args.task, "out": "runs/eval"})
     cfg = cfg.override({"eval_size": args.eval_size}) if args.eval_size else cfg
+    if args.best and not args.run:
+        raise ValueError("--best: give the run directory whose best checkpoint to score (tether eval RUN --best).")
+    root = best_root(Path(args.run), required=True) if args.best else None
     run = build_run(cfg)
     if args.run:
-        open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"))
+        open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"), root=root)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature)
     print(json.dumps(result.as_dict(), indent=1))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tether.train.export import export_run
+
+    try:
+        result = export_run(args.run_dir, args.out, merge=args.merge, best=args.best)
+    except _USER_ERRORS as exc:
+        return _fail("export", exc)
+    print(f"tether export: wrote the {result.kind} model of step {result.step} ({result.checkpoint}) to {result.out}")
     return 0
 
 
@@ -152,10 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--eval-size", type=int, default=0, help="Override the held-out set size.")
     e.add_argument("--trust-task-code", action="store_true",
                    help="Run the task .py file named in RUN's config.yaml (code from the run directory).")
+    e.add_argument("--best", action="store_true", help="Score RUN's best checkpoint (best/, kept by eval_every).")
+    x = sub.add_parser("export", help="Write a run's policy as a Hugging Face model (or PEFT adapter) directory.")
+    x.add_argument("run_dir", metavar="RUN_DIR")
+    x.add_argument("out", metavar="OUT", help="New directory to write (refused if it exists and is not empty).")
+    x.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapter into the base and write "
+                   "the whole model; without it the adapter alone is written (a full fine-tune is always whole).")
+    x.add_argument("--best", action="store_true", help="Export the best checkpoint (best/, kept by eval_every).")
     pl = sub.add_parser("plot", help="Write PNG plots of a run's metrics.jsonl.")
     pl.add_argument("run_dir")
     args = parser.parse_args(argv)
-    handlers = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot}
+    handlers = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot}
     # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
     shown = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_, **__: f"tether: {category.__name__}: {message}\n"

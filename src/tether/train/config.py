@@ -56,6 +56,18 @@ class TrainConfig:
     aggregation: str = _f("token-mean", "Loss reduction: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm.")
     advantage: str = _f("grpo", "Group advantage: grpo (z-score), dr_grpo (mean only), rloo (leave-one-out).")
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient; 0 disables the bonus (entropy is still logged).")
+    ratio_level: str = _f("token", "Importance ratio per token (PPO/GRPO) or per sequence, length-normalised (GSPO): token, sequence.")
+    dual_clip: float = _f(0.0, "Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; 0 disables.")
+    importance_correction: str = _f("none", "Sampler/trainer mismatch weights: none, tis (truncated) or mis (masked) at importance_cap.")
+    importance_cap: float = _f(2.0, "Threshold of the tis/mis importance weights (> 0).")
+    # --- loop
+    updates_per_rollout: int = _f(1, "Optimizer steps per rollout: the step's batch is cut into this many mini-batches, each one update; later ones are off-policy (clip, ESS and the importance-weighted KL act).")
+    lr_schedule: str = _f("constant", "Learning-rate schedule over the steps after warm-up: constant, linear (to 0) or cosine (to 0).")
+    warmup_steps: int = _f(0, "Steps of linear warm-up: step s < K uses (s + 1) / (K + 1) of learning_rate.")
+    eval_every: int = _f(0, "Score the held-out set every K steps (logged as eval_accuracy) and keep the best checkpoint in best/; 0 disables.")
+    # --- tracking
+    report_to: str = _f("none", "Tracker besides metrics.jsonl: none or tensorboard (event files in tensorboard/).")
+    log_completions_every: int = _f(0, "Every K steps write a few prompt/completion/reward rows to completions.jsonl (and TensorBoard text); 0 disables.")
     # --- KL leash
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
@@ -143,7 +155,8 @@ class TrainConfig:
             need(not isinstance(value, float) or math.isfinite(value), f"{f.name}: expected a finite number, got {value}")
         need(self.keep_checkpoints >= 1, f"keep_checkpoints: expected >= 1, got {self.keep_checkpoints}")
         for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
-                     "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high"):
+                     "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
+                     "warmup_steps", "eval_every", "log_completions_every"):
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
         need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
@@ -160,15 +173,44 @@ class TrainConfig:
         need(not (self.lora_rank and self.reference_update == "ema"),
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
+        p.extend(_loop_problems(self))
         p.extend(_task_problem(self.task))
         if p:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(p))
         return self
 
 
+def _registry_choices() -> dict[str, set[str]]:
+    """Choices read from the registries that implement them, so a new variant needs no edit here."""
+    from tether.objectives import RATIO_LEVELS
+    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES
+    from tether.train.schedule import LR_SCHEDULES
+    from tether.train.tracking import TRACKERS
+
+    return {"aggregation": set(AGGREGATION_MODES), "advantage": set(ADVANTAGE_MODES), "ratio_level": set(RATIO_LEVELS),
+            "importance_correction": {"none", *IMPORTANCE_WEIGHT_MODES},
+            "lr_schedule": set(LR_SCHEDULES), "report_to": set(TRACKERS)}
+
+
+def _loop_problems(cfg: TrainConfig) -> list[str]:
+    """The loop knobs' checks beyond their sign (``validate`` runs them with the others)."""
+    p = [f"{name}: expected one of {sorted(allowed)}, got {getattr(cfg, name)!r}"
+         for name, allowed in _registry_choices().items() if getattr(cfg, name) not in allowed]
+    batch = cfg.prompts_per_step * cfg.group_size
+    if not 1 <= cfg.updates_per_rollout <= max(batch, 1):
+        p.append(f"updates_per_rollout: expected 1..{batch} (prompts_per_step * group_size sequences to cut "
+                 f"into mini-batches), got {cfg.updates_per_rollout}")
+    if cfg.warmup_steps > cfg.steps:
+        p.append(f"warmup_steps: {cfg.warmup_steps} is more than steps ({cfg.steps}), so the learning rate "
+                 "would never reach learning_rate; lower warmup_steps")
+    if cfg.dual_clip and not cfg.dual_clip > 1:
+        p.append(f"dual_clip: expected 0 (off) or a constant > 1, got {cfg.dual_clip}")
+    if not cfg.importance_cap > 0:
+        p.append(f"importance_cap: expected > 0, got {cfg.importance_cap}")
+    return p
+
+
 _CHOICES: dict[str, set[str]] = {
-    "aggregation": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"},
-    "advantage": {"grpo", "dr_grpo", "rloo"},
     "kl_mode": {"loss", "reward"},
     "kl_estimator": {"k1", "k2", "k3"},
     "kl_controller": {"constant", "adaptive", "target"},

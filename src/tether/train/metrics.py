@@ -1,4 +1,10 @@
-"""Run metrics: one JSON line per step in ``metrics.jsonl`` and PNG plots of the curves."""
+"""Run metrics: one JSON line per step in ``metrics.jsonl`` and PNG plots of the curves.
+
+The plots have an integer step axis. The accuracy panel marks the held-out (greedy) accuracy
+before training at step 0, after training at the last step (from ``summary.json``) and at
+every periodic evaluation (``eval_accuracy``). A panel whose curve is constant by the run's
+settings is left out (``constant_panels``) rather than drawn as a flat line.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from typing import Any
 # (metric key, plot title, y label) for every curve ``tether plot`` draws.
 PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("reward_mean", "Reward (mean over samples)", "reward"),
-    ("accuracy", "Training accuracy (sampled)", "fraction correct"),
+    ("accuracy", "Accuracy: training (sampled), held-out (greedy)", "fraction correct"),
     ("kl_per_seq", "KL to reference (per sequence)", "nats"),
     ("kl_per_token", "KL to reference (per token)", "nats"),
     ("kl_coef", "KL coefficient", "beta"),
@@ -18,6 +24,8 @@ PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("ess", "Effective sample size / N", "ESS / N"),
     ("entropy", "Policy entropy (per token)", "nats"),
     ("response_length", "Response length", "tokens"),
+    ("grad_norm", "Gradient norm (before clipping)", "L2 norm"),
+    ("lr", "Learning rate", "lr"),
 )
 
 
@@ -101,8 +109,62 @@ def _draw_kl_guides(ax, config: dict[str, Any], curves: dict[str, tuple[list[int
     ax.legend(loc="upper left", fontsize=8)
 
 
+def constant_panels(config: dict[str, Any]) -> set[str]:
+    """Keys of ``PLOTTED`` whose curve cannot vary under the run's config (a config.yaml mapping).
+
+    With one update per rollout every ratio is 1 up to rounding (the batch is trained on by
+    the weights that sampled it), so the clip fraction is 0 and the ESS 1; a constant KL
+    controller never moves beta; a constant schedule without warm-up never moves the rate.
+    """
+    constant = set()
+    if config.get("updates_per_rollout", 1) == 1:
+        constant |= {"clip_fraction", "ess"}
+    if config.get("kl_controller", "constant") == "constant":
+        constant.add("kl_coef")
+    if config.get("lr_schedule", "constant") == "constant" and not config.get("warmup_steps", 0):
+        constant.add("lr")
+    return constant
+
+
+def plotted_panels(config: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The entries of ``PLOTTED`` drawn for a run with this config."""
+    constant = constant_panels(config)
+    return [entry for entry in PLOTTED if entry[0] not in constant]
+
+
+def _draw_held_out(ax, run_dir: Path, records: list[dict[str, Any]]) -> None:
+    """Held-out accuracy markers: before (step 0), periodic evaluations, after (last step)."""
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    if evals:
+        ax.plot(*zip(*evals), marker="s", linestyle="--", color="tab:purple", label="held-out (eval_every)")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if "accuracy_before" in summary:
+        ax.plot([0], [summary["accuracy_before"]], marker="*", markersize=11, linestyle="", color="tab:green",
+                label=f"held-out before {summary['accuracy_before']:.2f}")
+    if "accuracy_after" in summary:
+        ax.plot([records[-1]["step"]], [summary["accuracy_after"]], marker="*", markersize=11, linestyle="",
+                color="tab:red", label=f"held-out after {summary['accuracy_after']:.2f}")
+    if evals or summary:
+        ax.legend(loc="best", fontsize=7)
+
+
+def _style(ax, key: str, title: str, ylabel: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    # Offsets turn an ESS of 1 - 1e-7 into "1e-6 + 1" tick labels; fractions get [0, 1].
+    ax.ticklabel_format(axis="y", useOffset=False)
+    if key in _FRACTIONS:
+        ax.set_ylim(-0.02, 1.02)
+
+
 def plot_metrics(run_dir: Path) -> list[Path]:
-    """Write one PNG per curve of ``PLOTTED`` plus an overview grid; return the paths."""
+    """Write one PNG per curve of ``plotted_panels`` plus an overview grid; return the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,31 +178,27 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     curves = curve_data(records)
     curves["kl_exact_per_seq"] = ([r["step"] for r in records], [r.get("kl_exact_per_seq", float("nan")) for r in records])
     config = _run_config(run_dir)
+    panels = plotted_panels(config)
     written: list[Path] = []
     cols = 3
-    rows = math.ceil(len(PLOTTED) / cols)
+    rows = math.ceil(len(panels) / cols)
     grid, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows))
-    for ax_grid, (key, title, ylabel) in zip(axes.flat, PLOTTED):
+    for ax_grid, (key, title, ylabel) in zip(axes.flat, panels):
         steps, values = curves[key]
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for target in (ax, ax_grid):
             target.plot(steps, values, marker="o", markersize=3, label=key)
-            target.set_title(title)
-            target.set_xlabel("step")
-            target.set_ylabel(ylabel)
-            target.grid(alpha=0.3)
-            # Offsets turn an ESS of 1 - 1e-7 into "1e-6 + 1" tick labels; fractions get [0, 1].
-            target.ticklabel_format(axis="y", useOffset=False)
-            if key in _FRACTIONS:
-                target.set_ylim(-0.02, 1.02)
+            _style(target, key, title, ylabel)
             if key == "kl_per_seq":
                 _draw_kl_guides(target, config, curves)
+            if key == "accuracy":
+                _draw_held_out(target, run_dir, records)
         fig.tight_layout()
         path = out_dir / f"{key}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
-    for ax in list(axes.flat)[len(PLOTTED):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     grid.tight_layout()
     overview = out_dir / "overview.png"

@@ -3,10 +3,12 @@
 
 Each step draws ``prompts_per_step`` problems, samples ``group_size`` answers per problem,
 scores them with the task's reward, gets the reference log-probs, turns rewards into group
-advantages, and takes one optimizer step on ``GRPOLoss`` (gradient accumulated over
-micro-batches with full-batch denominators, so the update does not depend on the
-micro-batch size). The KL leash is either a gradient-correct loss term (default) or a k1
-per-token reward penalty with reward-to-go; its coefficient can follow an adaptive controller.
+advantages, and takes ``updates_per_rollout`` optimizer steps on ``GRPOLoss`` over mini-batches
+of the step's batch (``tether.train.updates``; one by default), each with its gradient
+accumulated over micro-batches with full-batch denominators, so an update does not depend on
+the micro-batch size. The learning rate follows ``tether.train.schedule``. The KL leash is
+either a gradient-correct loss term (default) or a k1 per-token reward penalty with
+reward-to-go; its coefficient can follow an adaptive controller.
 
 Determinism: problems are a pure function of (seed, index), sampling uses its own seeded
 generator, and checkpoints carry every piece of state, so a run killed after any checkpoint
@@ -31,6 +33,7 @@ from tether.llm import chat_batch
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.objectives import GRPOLoss, GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
+from tether.train.best import BestEval, best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
 from tether.train.evaluate import evaluate
@@ -38,8 +41,11 @@ from tether.train.kl_signal import has_exact_kl, measure_kl
 from tether.train.metrics import MetricsLog, plot_metrics
 from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe_checkpoints, open_checkpoint,
                                   start_new_run, write_config)
+from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import build_models, reference_scorer
 from tether.train.tasks import Problem, Task, load_task
+from tether.train.tracking import CompletionLog, NullTracker, log_completions, make_tracker
+from tether.train.updates import minibatch_bounds, store_old_log_probs
 
 
 class RewardError(ValueError):
@@ -70,6 +76,9 @@ class Run:
     generator: torch.Generator
     metrics: MetricsLog
     workers: Any = None  # tether.ray.RolloutPool when cfg.workers > 0, else rollouts run in-process
+    scheduler: Any = None  # the learning-rate schedule, stepped once per training step
+    best: BestEval | None = None
+    tracker: Any = None  # TensorBoard (report_to) or a no-op; opened by train()
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -96,6 +105,8 @@ def build_run(cfg: TrainConfig) -> Run:
         aggregation=cfg.aggregation, kl_estimator=cfg.kl_estimator if cfg.kl_mode == "loss" else "k3",
         kl_to_ref_coeff=cfg.kl_coef if cfg.kl_mode == "loss" else None,
         normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
+        ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
+        importance_correction=None if cfg.importance_correction == "none" else cfg.importance_correction,
     )
     coef = loss if cfg.kl_mode == "loss" else SimpleNamespace(kl_coef=cfg.kl_coef)
     if cfg.kl_controller == "adaptive":
@@ -117,9 +128,11 @@ def build_run(cfg: TrainConfig) -> Run:
         from tether.train.distributed import start_workers  # Ray is optional: imported only when asked for
 
         workers = start_workers(cfg)
+    scheduler = make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                  total_steps=cfg.steps)
     return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
                loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
-               workers=workers)
+               workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir))
 
 
 # ------------------------------------------------------------------------------ one step
@@ -187,21 +200,27 @@ def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
     return log_ratio.sum(-1)
 
 
-def accumulate_gradients(run: Run, batch) -> dict[str, float]:
+def accumulate_gradients(run: Run, batch, kept: list[GRPOTokenTerms] | None = None) -> dict[str, float]:
     """Backward of the step's loss, micro-batch by micro-batch, with full-batch denominators.
 
     The diagnostics are not averaged over micro-batches (ESS is no token mean): each
     micro-batch's detached per-token terms are kept and reduced once over the whole batch,
-    so every logged value equals that of one full-batch ``GRPOLoss`` call.
+    so every logged value equals that of one full-batch ``GRPOLoss`` call. The terms are also
+    appended to ``kept`` when given (``optimize`` reduces those of all its updates at once).
     """
     cfg = run.cfg
     denominator = aggregate_denominator(batch["masks", "all_assistant_mask"], cfg.aggregation)
     run.optimizer.zero_grad(set_to_none=True)
-    kept = []
+    kept = [] if kept is None else kept
+    start = len(kept)
     for begin in range(0, batch.shape[0], cfg.micro_batch_size):
         terms = run.loss.token_terms(batch[begin : begin + cfg.micro_batch_size])
         run.loss.reduce(terms, denominator=denominator).total_loss().backward()
         kept.append(terms.detach())
+    return _diagnostics(run, kept[start:])
+
+
+def _diagnostics(run: Run, kept: list[GRPOTokenTerms]) -> dict[str, float]:
     out = run.loss.reduce(GRPOTokenTerms.cat(kept))
     diagnostics = {name: getattr(out, name) for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref")}
     sums = {name: float(value) for name, value in diagnostics.items() if value is not None}
@@ -210,10 +229,27 @@ def accumulate_gradients(run: Run, batch) -> dict[str, float]:
 
 
 def optimize(run: Run, batch, step: int | None = None) -> dict[str, float]:
-    """One optimizer step over the batch (``step``, 0-based, names it in errors); a non-finite
+    """``updates_per_rollout`` optimizer steps over mini-batches of the batch (``tether.train.updates``).
+
+    The logged diagnostics and loss reduce the per-token terms of every update together;
+    ``grad_norm`` is the mean of the updates' norms before clipping.
+    """
+    cfg = run.cfg
+    if cfg.updates_per_rollout > 1 and run.loss.importance_correction is not None:
+        store_old_log_probs(run.loss, batch, cfg.micro_batch_size)
+    kept: list[GRPOTokenTerms] = []
+    norms = [_update(run, batch[begin:end], kept, step)
+             for begin, end in minibatch_bounds(batch.shape[0], cfg.updates_per_rollout)]
+    sums = _diagnostics(run, kept)
+    sums["grad_norm"] = sum(norms) / len(norms)
+    return sums
+
+
+def _update(run: Run, batch, kept: list[GRPOTokenTerms], step: int | None) -> float:
+    """One optimizer step over ``batch`` (``step``, 0-based, names it in errors); a non-finite
     loss or gradient norm raises before the optimizer touches the weights."""
     cfg = run.cfg
-    sums = accumulate_gradients(run, batch)
+    sums = accumulate_gradients(run, batch, kept)
     params = [p for p in run.models.policy.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
     if not (math.isfinite(sums["loss"]) and math.isfinite(float(norm))):
@@ -223,8 +259,7 @@ def optimize(run: Run, batch, step: int | None = None) -> dict[str, float]:
             f"scale. {describe_checkpoints(run.dir)}"
         )
     run.optimizer.step()
-    sums["grad_norm"] = float(norm)
-    return sums
+    return float(norm)
 
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
@@ -238,7 +273,10 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     exact = cfg.kl_signal == "exact" and has_exact_kl(policy)
     kl = measure_kl(batch, kl_seq, policy=policy if exact else None,
                     reference=run.models.reference, temperature=cfg.temperature)
+    lr = run.optimizer.param_groups[0]["lr"]
     opt = optimize(run, batch, step)
+    run.scheduler.step()
+    log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], batch, rewards, correct)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     kl_coef_used = float(run.coef.kl_coef)
@@ -257,6 +295,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "entropy": opt.get("entropy", float("nan")),
         "response_length": float(mask.sum(-1).float().mean()),
         "grad_norm": opt["grad_norm"],
+        "lr": lr,
         "loss": opt["loss"],
         "step_time": elapsed,
         "tokens_per_s": float(batch["masks", "all_attention_mask"].sum()) / elapsed,
@@ -270,15 +309,17 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
         "controller": run.controller.state_dict(),
         # The moved reference weights go to reference.safetensors, not into state.json.
         "reference_updater": run.ref_updater.state_dict(with_tensors=False) if run.ref_updater else None,
+        "lr_scheduler": run.scheduler.state_dict(),
+        "best_eval": run.best.state_dict(),
         **extra,
     }
 
 
-def _save(run: Run, step: int, extra: dict[str, Any]) -> None:
+def _save(run: Run, step: int, extra: dict[str, Any], *, root: Path | None = None, keep: int | None = None) -> None:
     rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}
-    save_checkpoint(run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
+    save_checkpoint(root or run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
                     state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference,
-                    keep=run.cfg.keep_checkpoints)
+                    keep=keep or run.cfg.keep_checkpoints)
 
 
 def _restore(run: Run) -> tuple[int, dict[str, Any]]:
@@ -291,7 +332,11 @@ def _restore(run: Run) -> tuple[int, dict[str, Any]]:
     run.controller.load_state_dict(ckpt.state["controller"])
     if run.ref_updater is not None and ckpt.state.get("reference_updater"):
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
+    if "lr_scheduler" in ckpt.state:
+        run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
+    run.best.load_state_dict(ckpt.state.get("best_eval"))
     run.metrics.truncate_after(ckpt.step)
+    CompletionLog(run.dir).truncate_after(ckpt.step)
     write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
     return ckpt.step, ckpt.state
 
@@ -317,12 +362,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                               max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
                               with_kl=False).as_dict()
             start = 0
+        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
         extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint)}
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
                    disable=not progress, dynamic_ncols=True)
         for step in bar:
             record = train_step(run, step)
+            if periodic_eval(run, step + 1, record):
+                _save(run, step + 1, extra, root=best_root(run.dir), keep=1)
             run.metrics.append(record)
+            run.tracker.scalars(record)
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
                             kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
             done = step + 1
@@ -339,6 +388,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         plot_metrics(run.dir)
         return summary
     finally:
+        run.tracker.close()
         if run.workers is not None:
             run.workers.shutdown()  # also when a step raised: the actors hold the cluster's CPUs
 
@@ -364,6 +414,7 @@ def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, A
         "final_kl_coef": float(run.coef.kl_coef),
         "seconds_this_process": seconds,
         "eval_size": len(run.held_out),
+        **({"best_eval_step": run.best.step, "best_eval_accuracy": run.best.accuracy} if run.cfg.eval_every else {}),
     }
 
 

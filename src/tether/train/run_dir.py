@@ -29,7 +29,8 @@ from tether.train.config import TrainConfig
 # Config keys a resume may change: how long the run goes on and how it is saved, not what it computes.
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "threads")
 _NOT_COMPARED = ("out", "overwrite")  # where the run lives and how it was started, not what it is
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "plots", "checkpoints")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "plots", "checkpoints", "best", "completions.jsonl",
+             "tensorboard")
 
 
 class RunDirError(ValueError):
@@ -145,12 +146,12 @@ def _check_record(path: Path, state: dict[str, Any], cfg: TrainConfig, fingerpri
 
 
 def open_checkpoint(cfg: TrainConfig, models: Any, optimizer: torch.optim.Optimizer, *,
-                    allowed: tuple[str, ...] = RESUMABLE_KEYS,
-                    set_aside: bool = False) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
+                    allowed: tuple[str, ...] = RESUMABLE_KEYS, set_aside: bool = False,
+                    root: Path | None = None) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
     """Load the newest intact checkpoint of ``cfg.out`` into ``models``/``optimizer`` after checking
     that it was written by this config on this base; warn about (and optionally set aside) newer
-    damaged ones."""
-    run_dir = Path(cfg.out)
+    damaged ones. ``root`` reads the checkpoints of another directory of the run (``best/``)."""
+    run_dir = Path(root or cfg.out)
     path, skipped = newest_intact(run_dir)
     state = read_state(path)
     _check_record(path, state, cfg, models.fingerprint, allowed)

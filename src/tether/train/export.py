@@ -1,0 +1,88 @@
+"""``tether export RUN OUT [--merge] [--best]``: a run's policy as a Hugging Face directory.
+
+The policy is rebuilt from ``RUN/config.yaml`` and the newest intact checkpoint is loaded
+into it (``--best``: the best periodic evaluation's, ``RUN/best/``) with the same checks as a
+resume, the base-model fingerprint included, so an adapter is never written over a base it
+was not trained on. What ``OUT`` holds:
+
+* LoRA run, no ``--merge``: the adapter (``adapter_config.json``,
+  ``adapter_model.safetensors``), for ``peft.PeftModel.from_pretrained(base, OUT)`` with the
+  base the run trained (``base_model_name_or_path`` names it when it is a directory);
+* LoRA run with ``--merge``, or a full fine-tune: the whole model (``config.json``,
+  ``model.safetensors``, ``generation_config.json``) for
+  ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``. The embedded default model is
+  loaded from GGUF but its weights are dense, so this is an ordinary float directory;
+
+and always the tokenizer files with the chat template, and ``tether_export.json`` (run,
+checkpoint, step, kind, base). The directory is written beside ``OUT`` and renamed into
+place, so a failed export leaves no partial ``OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.train.best import best_root
+from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
+from tether.train.setup import build_models
+
+EXPORT_RECORD = "tether_export.json"
+
+
+@dataclass
+class ExportResult:
+    """What was written: the directory, its kind (``adapter``, ``merged`` or ``full``) and the step."""
+
+    out: Path
+    kind: str
+    step: int
+    checkpoint: Path
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        what = "a file" if not out.is_dir() else "a directory that is not empty"
+        raise ValueError(f"OUT: {out} is {what}; export writes a new directory. Choose another OUT or remove it.")
+
+
+def _save_model(policy: Any, lora: bool, merge: bool, target: Path) -> str:
+    if lora and not merge:
+        policy.save_pretrained(str(target), safe_serialization=True)
+        return "adapter"
+    model = policy.merge_and_unload() if lora else policy
+    model.save_pretrained(str(target), safe_serialization=True)
+    return "merged" if lora else "full"
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, best: bool = False) -> ExportResult:
+    """Write the policy of ``run_dir``'s newest intact (or best) checkpoint to ``out``."""
+    run_dir, out = Path(run_dir), Path(out)
+    _check_out(out)
+    cfg = read_run_config(run_dir)
+    root = best_root(run_dir, required=True) if best else None
+    models = build_models(cfg)
+    trainable = [p for p in models.policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable)  # receives the checkpoint's optimizer state; then dropped
+    ckpt, _ = open_checkpoint(cfg, models, optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"), root=root)
+    tmp = out.with_name(f".{out.name}.tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        kind = _save_model(models.policy, cfg.lora_rank > 0, merge, tmp)
+        models.tokenizer.save_pretrained(str(tmp))
+        record = {"run": str(run_dir.resolve()), "checkpoint": str(ckpt.path.resolve()), "step": ckpt.step,
+                  "kind": kind, "base": ckpt.state["base"]}
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1))
+        if out.is_dir():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportResult(out=out, kind=kind, step=ckpt.step, checkpoint=ckpt.path)
