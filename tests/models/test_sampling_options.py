@@ -9,7 +9,7 @@ import torch
 
 from tether.models.sampling import sample_responses
 from tether.models.wrapper import TransformersWrapper
-from tests.helpers import make_tiny_model
+from tests.helpers import make_tiny_model, make_tokenizer
 
 BAD = [
     ({"temperature": math.inf}, ValueError, r"temperature must be finite and > 0, got inf"),
