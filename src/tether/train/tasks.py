@@ -12,6 +12,11 @@ single user turn. Reward: 1.0 when the last integer in the response equals the a
 plus a format term of 0.1 when the response ends within 40 characters of that last integer
 (it answers rather than rambling on). The held-out score is accuracy only.
 
+A task with ``tool_use`` (a ``ToolUse`` record) is trained and evaluated on multi-turn
+rollouts (``tether.rollout.MultiTurnRollout``): its answers may call the named tools, and
+``reward`` / ``is_correct`` see the last assistant message. ``arithmetic-tools``
+(``tether.train.tool_task``) is the shipped one.
+
 What a task's callables return is checked where it is used: a wrong type raises
 ``TaskError`` naming the task, the callable and its file, not an error deep in the recipe.
 """
@@ -50,6 +55,16 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class ToolUse:
+    """How a task's episodes run: tool names (``tether.rollout.TOOLS``), the most assistant
+    messages per episode, and the most tokens per conversation (None: no budget)."""
+
+    tools: tuple[str, ...] = ("calculator",)
+    max_turns: int = 3
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class Task:
     """A problem generator, a reward and a correctness check, as plain callables."""
 
@@ -59,6 +74,7 @@ class Task:
     is_correct: Callable[[str, Problem], bool]
     eval_seed: int = 10_007
     info: dict[str, Any] = field(default_factory=dict)
+    tool_use: ToolUse | None = None
 
     def eval_set(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems (as many as exist if fewer)."""
@@ -152,7 +168,13 @@ def arithmetic() -> Task:
     )
 
 
-TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic}
+def _arithmetic_tools() -> Task:
+    from tether.train.tool_task import arithmetic_tools  # it builds on this module
+
+    return arithmetic_tools()
+
+
+TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic, "arithmetic-tools": _arithmetic_tools}
 
 
 def load_task(name_or_path: str) -> Task:
