@@ -85,6 +85,8 @@ def test_train_smoke_on_the_tiny_model(tmp_path):
         assert record["turns_per_episode"] >= 1 and 0 <= record["tool_call_rate"] <= 1
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     assert summary["eval_turns_per_episode_before"] >= 1 and "eval_tool_call_rate_after" in summary
+    for key in ("tool_call_rate", "tool_error_rate", "turns_per_episode"):
+        assert (tmp_path / "run" / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_workers_refused_for_tool_tasks():

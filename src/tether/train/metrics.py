@@ -19,6 +19,17 @@ PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("entropy", "Policy entropy (per token)", "nats"),
     ("response_length", "Response length", "tokens"),
 )
+# Drawn only for runs whose records carry them (tasks with tools).
+OPTIONAL_PLOTTED: tuple[tuple[str, str, str], ...] = (
+    ("tool_call_rate", "Episodes calling a tool", "fraction"),
+    ("tool_error_rate", "Tool calls that failed", "fraction"),
+    ("turns_per_episode", "Assistant turns per episode", "turns"),
+)
+
+
+def plotted_for(records: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """``PLOTTED`` plus the optional curves some record holds."""
+    return PLOTTED + tuple(c for c in OPTIONAL_PLOTTED if any(c[0] in r for r in records))
 
 
 class MetricsLog:
@@ -68,10 +79,10 @@ class MetricsLog:
 def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
     """``{metric: (steps, values)}`` for every plotted curve (NaN where a step lacks it)."""
     steps = [r["step"] for r in records]
-    return {key: (steps, [r.get(key, float("nan")) for r in records]) for key, _, _ in PLOTTED}
+    return {key: (steps, [r.get(key, float("nan")) for r in records]) for key, _, _ in plotted_for(records)}
 
 
-_FRACTIONS = {"accuracy", "clip_fraction", "ess"}
+_FRACTIONS = {"accuracy", "clip_fraction", "ess", "tool_call_rate", "tool_error_rate"}
 
 
 def _kl_bound(run_dir: Path) -> float | None:
@@ -98,12 +109,13 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     curves = curve_data(records)
+    plotted = plotted_for(records)
     kl_bound = _kl_bound(run_dir)
     written: list[Path] = []
     cols = 3
-    rows = math.ceil(len(PLOTTED) / cols)
+    rows = math.ceil(len(plotted) / cols)
     grid, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows))
-    for ax_grid, (key, title, ylabel) in zip(axes.flat, PLOTTED):
+    for ax_grid, (key, title, ylabel) in zip(axes.flat, plotted):
         steps, values = curves[key]
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for target in (ax, ax_grid):
@@ -124,7 +136,7 @@ def plot_metrics(run_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
-    for ax in list(axes.flat)[len(PLOTTED):]:
+    for ax in list(axes.flat)[len(plotted):]:
         ax.axis("off")
     grid.tight_layout()
     overview = out_dir / "overview.png"
