@@ -2,7 +2,8 @@
 
 Each problem asks ``a * b`` with ``a`` in [100, 999] and ``b`` in [10, 99] (products of 4 to 5
 digits). The system prompt describes the ``calculator`` tool and the ``<tool_call>`` format
-(``tether.rollout.tool_calls``); an episode may call it, read the result from the tool turn
+(``tether.rollout.tool_calls``), and one worked example episode precedes the question; an
+episode may call it, read the result from the tool turn
 and answer, in at most 3 assistant messages. Reward: 1.0 when the last integer of the last
 assistant message is the product, else 0 (no format bonus: the tool is only worth calling
 because it gets the number right). The held-out score is the same check.
@@ -21,9 +22,19 @@ SYSTEM_PROMPT = (
 )
 
 
+# One worked episode before the question: a 135M model copies a demonstration far more
+# readily than it follows an instruction. It is prompt, never trained on.
+EXAMPLE = [
+    {"role": "user", "content": "What is 512 * 37?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "512 * 37"}}</tool_call>'},
+    {"role": "tool", "content": "18944"},
+    {"role": "assistant", "content": "18944"},
+]
+
+
 def _product_problem(rng: random.Random) -> Problem:
     a, b = rng.randint(100, 999), rng.randint(10, 99)
-    chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {a} * {b}?"}]
+    chat = [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": f"What is {a} * {b}?"}]
     return Problem(chat=chat, answer=str(a * b), key=f"{a}*{b}")
 
 
