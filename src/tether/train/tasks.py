@@ -144,7 +144,8 @@ def _arithmetic_problem(rng: random.Random) -> Problem:
     return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}")
 
 
-def _arithmetic_correct(response: str, problem: Problem) -> bool:
+def last_integer_correct(response: str, problem: Problem) -> bool:
+    """Whether the last integer of ``response`` is ``problem.answer``."""
     found = last_integer(response)
     return found is not None and str(found[0]) == problem.answer
 
@@ -163,7 +164,7 @@ def arithmetic() -> Task:
         name="arithmetic",
         make_problem=_arithmetic_problem,
         reward=_arithmetic_reward,
-        is_correct=_arithmetic_correct,
+        is_correct=last_integer_correct,
         info={"reward": "1 if the last integer is the answer, +0.1 if the reply ends within 40 chars of it"},
     )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from tether.train.tasks import Problem, Task, ToolUse, last_integer
+from tether.train.tasks import Problem, Task, ToolUse, last_integer_correct
 
 SYSTEM_PROMPT = (
     "You are a careful assistant with a calculator. To compute, reply with only a tool call:\n"
@@ -38,13 +38,8 @@ def _product_problem(rng: random.Random) -> Problem:
     return Problem(chat=chat, answer=str(a * b), key=f"{a}*{b}")
 
 
-def _correct(response: str, problem: Problem) -> bool:
-    found = last_integer(response)
-    return found is not None and str(found[0]) == problem.answer
-
-
 def _reward(response: str, problem: Problem) -> float:
-    return 1.0 if _correct(response, problem) else 0.0
+    return 1.0 if last_integer_correct(response, problem) else 0.0
 
 
 def arithmetic_tools() -> Task:
@@ -52,7 +47,7 @@ def arithmetic_tools() -> Task:
         name="arithmetic-tools",
         make_problem=_product_problem,
         reward=_reward,
-        is_correct=_correct,
+        is_correct=last_integer_correct,
         info={"reward": "1 if the last integer of the final answer is the product a * b, else 0",
               "tools": "calculator"},
         tool_use=ToolUse(tools=("calculator",), max_turns=3),
