@@ -48,8 +48,8 @@ def scripted_turn(self, rows, limits):
     out = []
     for row, limit in zip(rows, limits):
         text = tok.decode(row)
-        a, b = re.search(r"What is (\d+) \* (\d+)\?", text).groups()
-        calls = text.count("<|im_start|>assistant") - 1
+        a, b = re.findall(r"What is (\d+) \* (\d+)\?", text)[-1]  # after the prompt's worked example
+        calls = text.split("<|im_start|>user")[-1].count("<|im_start|>assistant") - 1
         if int(a) % 2 == 0 or calls:  # the script depends only on the prompt and the turn
             reply = CALL % f"{a} * {b}" if calls == 0 else re.findall(r"tool\n(\d+)", text)[-1]
         else:
