@@ -9,7 +9,7 @@ import torch
 
 from tether.models.sampling import sample_responses
 from tether.models.wrapper import TransformersWrapper
-from tests.helpers import make_tiny_model
+from tests.helpers import make_tiny_model, make_tokenizer
 
 BAD = [
     ({"temperature": math.inf}, ValueError, r"temperature must be finite and > 0, got inf"),
@@ -51,3 +51,36 @@ def test_float_token_ids_are_refused_in_tokens_mode(model):
     td = TensorDict({("tokens", "full"): torch.tensor([[1.0, 2.5, 3.0]])}, batch_size=[1])
     with pytest.raises(TypeError, match=r"\('tokens', 'full'\) must be an integer tensor.*float32"):
         wrapper(td)
+
+
+def test_row_limits_cut_rows_like_a_shorter_max_new_tokens():
+    """Greedy rows with limits [2, 5, 1] are the first 2, 5, 1 tokens of the unlimited greedy
+    rows (same log-probs), unfinished unless an eos fell inside the limit."""
+    from tests.models.test_sampling import prompts
+
+    tok = make_tokenizer()
+    model = make_tiny_model(tok)
+    ids, mask, _ = prompts(tok, ["hello", "a", "what"])
+    kw = dict(eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id, do_sample=False)
+    full = sample_responses(model, ids, mask, max_new_tokens=5, **kw)
+    cut = sample_responses(model, ids, mask, max_new_tokens=5, row_limits=torch.tensor([2, 5, 1]), **kw)
+    for i, n in enumerate([2, 5, 1]):
+        n = min(n, int(full.mask[i].sum()))
+        assert cut.mask[i].sum() == n
+        assert torch.equal(cut.tokens[i, :n], full.tokens[i, :n])
+        torch.testing.assert_close(cut.log_probs[i, :n], full.log_probs[i, :n], rtol=0, atol=1e-6)
+        assert bool(cut.finished[i]) == bool((cut.tokens[i, :n] == tok.eos_token_id).any())
+
+
+@pytest.mark.parametrize("limits, error, match", [
+    (torch.tensor([1.0, 2.0]), TypeError, "integer tensor"),
+    (torch.tensor([1, 2, 3]), ValueError, r"shape \[B\] = \[2\]"),
+    (torch.tensor([0, 2]), ValueError, r"values in \[1, max_new_tokens=4\]"),
+    (torch.tensor([1, 5]), ValueError, r"values in \[1, max_new_tokens=4\]"),
+])
+def test_row_limits_refused(limits, error, match):
+    tok = make_tokenizer()
+    ids = torch.tensor([[65, 66], [65, 67]])
+    with pytest.raises(error, match=match):
+        sample_responses(make_tiny_model(tok), ids, torch.ones_like(ids, dtype=torch.bool), max_new_tokens=4,
+                         eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id, row_limits=limits)

@@ -138,6 +138,19 @@ def _render_ids(tokenizer, messages, add_generation_prompt: bool, kwargs) -> lis
     )
 
 
+def render_chat_ids(
+    tokenizer,
+    chat: Sequence[Mapping[str, str]],
+    *,
+    add_generation_prompt: bool = False,
+    tokenizer_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of one chat rendered by the tokenizer's own template (no mask)."""
+    _template_of(tokenizer)
+    checked = validate_chats([chat])[0]
+    return _render_ids(tokenizer, checked, add_generation_prompt, _check_kwargs(tokenizer_kwargs))
+
+
 def _split_mask(tokenizer, chat, index: int, full: list[int], kwargs) -> list[bool]:
     """Assistant mask of one chat by rendering the prompt before each assistant turn."""
     eos = tokenizer.eos_token_id

@@ -118,6 +118,22 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
     return logits
 
 
+def _check_row_limits(row_limits: Tensor | None, batch: int, max_new_tokens: int, device) -> Tensor:
+    """``row_limits`` checked (``long [B]`` in ``[1, max_new_tokens]``), or all ``max_new_tokens``."""
+    if row_limits is None:
+        return torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+    if not isinstance(row_limits, Tensor) or row_limits.is_floating_point() or row_limits.dtype == torch.bool:
+        raise TypeError(f"row_limits: expected an integer tensor [B] or None, got {row_limits!r}.")
+    if tuple(row_limits.shape) != (batch,):
+        raise ValueError(f"row_limits: expected shape [B] = [{batch}], got {tuple(row_limits.shape)}.")
+    if batch and (int(row_limits.min()) < 1 or int(row_limits.max()) > max_new_tokens):
+        raise ValueError(
+            f"row_limits: expected values in [1, max_new_tokens={max_new_tokens}], got "
+            f"{row_limits.tolist()}; end a row with no budget left before sampling."
+        )
+    return row_limits.to(device=device, dtype=torch.long)
+
+
 @torch.no_grad()
 def sample_responses(
     model: nn.Module,
@@ -132,6 +148,7 @@ def sample_responses(
     top_p: float | None = None,
     do_sample: bool = True,
     generator: torch.Generator | None = None,
+    row_limits: Tensor | None = None,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
@@ -146,12 +163,16 @@ def sample_responses(
         top_k, top_p: optional truncation of the sampled distribution.
         do_sample: False for greedy decoding (log-probs still under the tempered softmax).
         generator: torch RNG for reproducible sampling.
+        row_limits: optional ``long [B]`` per-row response limits in ``[1, max_new_tokens]``
+            (a multi-turn episode's remaining token budget); a row leaves the batch once it
+            reaches its limit, like a row that sampled an eos, but is not ``finished``.
     """
     check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
     prompt_mask = check_prompts(prompt_ids, prompt_mask)
     check_fits_model(model, prompt_ids, prompt_mask, new_tokens=max_new_tokens, role="prompt_ids")
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
+    limits = _check_row_limits(row_limits, batch, max_new_tokens, device)
     eos = torch.tensor(sorted(eos_ids), device=device)
     mask = prompt_mask.long()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -190,6 +211,7 @@ def sample_responses(
         lengths[alive] = step + 1
         ended = torch.isin(token, eos)
         finished[alive[ended]] = True
+        ended = ended | (limits[alive] <= step + 1)
         if step + 1 == max_new_tokens or bool(ended.all()):
             break
         if bool(ended.any()):

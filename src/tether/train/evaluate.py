@@ -4,11 +4,15 @@ Accuracy uses greedy decoding. The KL reported is the exact full-vocabulary
 KL(pi || pi_ref) at every answer token, averaged per token and summed per answer: greedy
 answers are not samples of pi, so a log-ratio estimate along them would not estimate a KL,
 while the exact per-position KL is well defined on any sequence.
+
+A task with ``tool_use`` is evaluated on greedy multi-turn episodes
+(``tether.train.tool_rollout``); the KL then covers every assistant message, and the tool
+statistics of all episodes go to ``EvalResult.tools``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -27,6 +31,7 @@ class EvalResult:
     kl_per_seq: float
     response_length: float
     n: int
+    tools: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -46,17 +51,23 @@ def evaluate(
 ) -> EvalResult:
     """Greedy accuracy on ``problems`` and (optionally) the exact KL along the answers."""
     from tether.llm import chat_batch
+    from tether.train.tool_rollout import episode_stats, make_tool_rollout, tool_metrics
 
     wrapper = TransformersWrapper(
         policy, tokenizer, generate=True, temperature=temperature,
         generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
     )
+    tool_rollout = make_tool_rollout(task, wrapper)
+    rollout = wrapper if tool_rollout is None else tool_rollout
+    episodes = []
     correct = 0
     kl_sum = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
     for begin in range(0, len(problems), _EVAL_BATCH):
         chunk = problems[begin : begin + _EVAL_BATCH]
-        td = wrapper(chat_batch([p.chat for p in chunk], key=("history", "prompt")))
+        td = rollout(chat_batch([p.chat for p in chunk], key=("history", "prompt")))
+        if tool_rollout is not None:
+            episodes.append(episode_stats(td))
         answers = td.get(("text", "response")).tolist()
         correct += sum(task.correct_value(task.is_correct(a, p)) for a, p in zip(answers, chunk))
         response = td["masks", "all_assistant_mask"]
@@ -72,4 +83,5 @@ def evaluate(
         kl_per_seq=float(kl_sum) / max(n, 1),
         response_length=tokens_total / max(n, 1),
         n=n,
+        tools=tool_metrics(torch.cat(episodes)) if tool_rollout is not None else {},
     )

@@ -27,6 +27,17 @@ PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("grad_norm", "Gradient norm (before clipping)", "L2 norm"),
     ("lr", "Learning rate", "lr"),
 )
+# Drawn only for runs whose records carry them (tasks with tools).
+OPTIONAL_PLOTTED: tuple[tuple[str, str, str], ...] = (
+    ("tool_call_rate", "Episodes calling a tool", "fraction"),
+    ("tool_error_rate", "Tool calls that failed", "fraction"),
+    ("turns_per_episode", "Assistant turns per episode", "turns"),
+)
+
+
+def plotted_for(records: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """``PLOTTED`` plus the optional curves some record holds."""
+    return PLOTTED + tuple(c for c in OPTIONAL_PLOTTED if any(c[0] in r for r in records))
 
 
 class MetricsLog:
@@ -76,10 +87,10 @@ class MetricsLog:
 def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
     """``{metric: (steps, values)}`` for every plotted curve (NaN where a step lacks it)."""
     steps = [r["step"] for r in records]
-    return {key: (steps, [r.get(key, float("nan")) for r in records]) for key, _, _ in PLOTTED}
+    return {key: (steps, [r.get(key, float("nan")) for r in records]) for key, _, _ in plotted_for(records)}
 
 
-_FRACTIONS = {"accuracy", "clip_fraction", "ess"}
+_FRACTIONS = {"accuracy", "clip_fraction", "ess", "tool_call_rate", "tool_error_rate"}
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
@@ -126,10 +137,11 @@ def constant_panels(config: dict[str, Any]) -> set[str]:
     return constant
 
 
-def plotted_panels(config: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The entries of ``PLOTTED`` drawn for a run with this config."""
+def plotted_panels(config: dict[str, Any], records: list[dict[str, Any]] = ()) -> list[tuple[str, str, str]]:
+    """The curves drawn for a run with this config: ``PLOTTED`` less the constant ones, plus
+    the optional curves (tool use) that some of its ``records`` carry."""
     constant = constant_panels(config)
-    return [entry for entry in PLOTTED if entry[0] not in constant]
+    return [entry for entry in plotted_for(list(records)) if entry[0] not in constant]
 
 
 def _draw_held_out(ax, run_dir: Path, records: list[dict[str, Any]]) -> None:
@@ -178,7 +190,7 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     curves = curve_data(records)
     curves["kl_exact_per_seq"] = ([r["step"] for r in records], [r.get("kl_exact_per_seq", float("nan")) for r in records])
     config = _run_config(run_dir)
-    panels = plotted_panels(config)
+    panels = plotted_panels(config, records)
     written: list[Path] = []
     cols = 3
     rows = math.ceil(len(panels) / cols)

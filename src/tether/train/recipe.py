@@ -46,6 +46,7 @@ from tether.train.setup import build_models, reference_scorer
 from tether.train.tasks import Problem, Task, load_task
 from tether.train.tracking import CompletionLog, NullTracker, log_completions, make_tracker
 from tether.train.updates import minibatch_bounds, store_old_log_probs
+from tether.train.tool_rollout import check_tool_task, tool_metrics, tool_rollout, tool_summary
 
 
 class RewardError(ValueError):
@@ -89,6 +90,7 @@ def build_run(cfg: TrainConfig) -> Run:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     task = load_task(cfg.task)
+    check_tool_task(task, cfg.workers)
     held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
     tok = models.tokenizer
@@ -142,6 +144,8 @@ def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
     first = step * cfg.prompts_per_step
     problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in range(cfg.prompts_per_step)]
     repeated = [p for p in problems for _ in range(cfg.group_size)]
+    if run.task.tool_use is not None:
+        return tool_rollout(run, repeated), repeated
     if run.workers is not None:
         # Ray workers sample whole groups with the learner's current weights, and score the
         # reference log-probs through the shared ReferenceService while they are at it.
@@ -299,6 +303,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "loss": opt["loss"],
         "step_time": elapsed,
         "tokens_per_s": float(batch["masks", "all_attention_mask"].sum()) / elapsed,
+        **tool_metrics(batch),
     }
 
 
@@ -415,6 +420,7 @@ def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, A
         "seconds_this_process": seconds,
         "eval_size": len(run.held_out),
         **({"best_eval_step": run.best.step, "best_eval_accuracy": run.best.accuracy} if run.cfg.eval_every else {}),
+        **tool_summary(before, after),
     }
 
 

@@ -12,6 +12,11 @@ single user turn. Reward: 1.0 when the last integer in the response equals the a
 plus a format term of 0.1 when the response ends within 40 characters of that last integer
 (it answers rather than rambling on). The held-out score is accuracy only.
 
+A task with ``tool_use`` (a ``ToolUse`` record) is trained and evaluated on multi-turn
+rollouts (``tether.rollout.MultiTurnRollout``): its answers may call the named tools, and
+``reward`` / ``is_correct`` see the last assistant message. ``arithmetic-tools``
+(``tether.train.tool_task``) is the shipped one.
+
 What a task's callables return is checked where it is used: a wrong type raises
 ``TaskError`` naming the task, the callable and its file, not an error deep in the recipe.
 """
@@ -50,6 +55,16 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class ToolUse:
+    """How a task's episodes run: tool names (``tether.rollout.TOOLS``), the most assistant
+    messages per episode, and the most tokens per conversation (None: no budget)."""
+
+    tools: tuple[str, ...] = ("calculator",)
+    max_turns: int = 3
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class Task:
     """A problem generator, a reward and a correctness check, as plain callables."""
 
@@ -59,6 +74,7 @@ class Task:
     is_correct: Callable[[str, Problem], bool]
     eval_seed: int = 10_007
     info: dict[str, Any] = field(default_factory=dict)
+    tool_use: ToolUse | None = None
 
     def eval_set(self, n: int) -> list[Problem]:
         """``n`` distinct held-out problems (as many as exist if fewer)."""
@@ -128,7 +144,8 @@ def _arithmetic_problem(rng: random.Random) -> Problem:
     return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}")
 
 
-def _arithmetic_correct(response: str, problem: Problem) -> bool:
+def last_integer_correct(response: str, problem: Problem) -> bool:
+    """Whether the last integer of ``response`` is ``problem.answer``."""
     found = last_integer(response)
     return found is not None and str(found[0]) == problem.answer
 
@@ -147,12 +164,18 @@ def arithmetic() -> Task:
         name="arithmetic",
         make_problem=_arithmetic_problem,
         reward=_arithmetic_reward,
-        is_correct=_arithmetic_correct,
+        is_correct=last_integer_correct,
         info={"reward": "1 if the last integer is the answer, +0.1 if the reply ends within 40 chars of it"},
     )
 
 
-TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic}
+def _arithmetic_tools() -> Task:
+    from tether.train.tool_task import arithmetic_tools  # it builds on this module
+
+    return arithmetic_tools()
+
+
+TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic, "arithmetic-tools": _arithmetic_tools}
 
 
 def load_task(name_or_path: str) -> Task:
