@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether._compat import checkpointed_layers
 from tether.models.reference import AdapterDisabledReference
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
 from tether.ops import (
@@ -200,6 +201,9 @@ def score_tokens(
 def _score_shared(model, tokens, attention_mask, temperature, chunk_size, token_budget, with_entropy) -> TokenStats | None:
     parts = causal_lm_parts(model)
     if parts.decoder is None:
+        return None
+    if torch.is_grad_enabled() and checkpointed_layers(parts.decoder):
+        # A checkpointed layer drops the KV cache the suffixes would be scored on.
         return None
     row_spans(attention_mask)  # same contiguity contract (and error) as plain scoring
     split = plan_prefix_split(tokens, attention_mask)

@@ -83,7 +83,7 @@ def build_run(cfg: TrainConfig) -> Run:
     held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
     tok = models.tokenizer
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator(device=models.device).manual_seed(cfg.seed)  # multinomial needs its device's RNG
     sampler = TransformersWrapper(
         models.policy, tok, generate=True, temperature=cfg.temperature,
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
