@@ -4,8 +4,10 @@ CLI's one-line user errors (status 2, no traceback)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
+import torch
 
 from tether.train.cli import main
 from tether.train.config import TrainConfig, config_choices
@@ -128,6 +130,8 @@ def test_cli_user_errors_are_one_line_with_status_2(tmp_path, capsys):
         (["train", "--model", str(tmp_path / "no-dir"), *out], "which is no directory; check the path"),
         (["train", "--model", "tiny", "--adapter", str(tmp_path), *out], "adapter: expected a directory holding a PEFT"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["train", "--model", "tiny", "--device", "cuda", *out], "device='cuda' but torch"))
     for argv, fragment in cases:
         line = _one_line_error(capsys, argv)
         assert fragment in line, (argv, line)
@@ -150,3 +154,10 @@ def test_cli_takes_trl_flags_and_underscore_spellings(tmp_path, monkeypatch):
     cfg = seen["cfg"]
     assert (cfg.kl_coef, cfg.dtype, cfg.learning_rate, cfg.group_size) == (0.05, "bfloat16", 3e-4, 3)
     assert len(notes) == 3  # beta, bf16, num_generations; learning_rate is tether's own key
+
+
+def test_the_readme_lists_every_trl_name():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Coming from TRL"):readme.index("## Layout")]
+    missing = [name for name in TRL_NAMES if f"`{name}`" not in section]
+    assert not missing, f"README's 'Coming from TRL' table lacks {missing}"
