@@ -233,3 +233,29 @@ def test_a_step_on_cuda_equals_the_cpu_step(tmp_path, dtype):
     assert float((a - b).norm() / a.norm()) < tol
     gpu_batch, _ = rollout(gpu, 0)  # sampling runs on the GPU with the GPU generator
     assert gpu_batch["tokens", "full"].shape[0] == batch.shape[0]
+
+
+def test_a_sampling_state_from_another_device_kind_is_a_named_error():
+    """A CUDA generator's state is 16 bytes (seed and offset); a CPU generator's is 5056."""
+    from tether.train.devices import load_generator_state
+
+    with pytest.raises(ValueError, match=r"ckpt-7: its sampling RNG state \(16 bytes\) was not written by a cpu"):
+        load_generator_state(torch.Generator(), torch.zeros(16, dtype=torch.uint8), "ckpt-7")
+    state = torch.Generator().manual_seed(3).get_state()
+    again = torch.Generator()
+    load_generator_state(again, state, "ckpt-7")
+    assert torch.equal(again.get_state(), state)
+
+
+def test_a_resume_refuses_an_adapter_that_changed_since_the_run_started(tmp_path):
+    from tether.train.run_dir import CheckpointError
+
+    adapter_dir = tmp_path / "adapter"
+    _save_adapter(adapter_dir)
+    cfg = tiny_cfg(tmp_path / "run", adapter=str(adapter_dir), lora_rank=4, steps=2)
+    with pytest.warns(UserWarning):
+        assert train(cfg, progress=False, stop_after=1) == {"stopped_at": 1}
+    torch.manual_seed(1)  # the same LoRA shapes with other random factors
+    _save_adapter(adapter_dir)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="trained from another adapter than"):
+        train(cfg, resume=True, progress=False)

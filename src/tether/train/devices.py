@@ -50,3 +50,17 @@ def resolve_dtype(name: str) -> torch.dtype:
 def resolve_device(name: str) -> torch.device:
     """The torch device of the config's ``device`` name (``cuda`` raises ``ValueError`` without a GPU)."""
     return lookup(DEVICES, name, "device")()
+
+
+def load_generator_state(generator: torch.Generator, state: torch.Tensor, source: object) -> None:
+    """Restore a sampling generator from ``source`` (a checkpoint); a state that another kind
+    of generator wrote (CPU vs CUDA: the run moved machines, or ``device=auto`` resolves
+    differently here) is a ``ValueError`` naming it, not a torch ``RuntimeError``."""
+    try:
+        generator.set_state(state)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{source}: its sampling RNG state ({state.numel()} bytes) was not written by a {generator.device.type} "
+            f"generator, so the run sampled on another kind of device than this one ({generator.device}); resume "
+            "it where a device of the kind it trained on is available."
+        ) from exc
