@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from tether._compat import new_cache, select_cache_rows
-from tether.models.shared_prefix import first_of_each
+from tether.models.score_plan import distinct_rows
 from tether.ops._vocab_checks import check_temperature
 
 
@@ -124,9 +124,8 @@ def sample_responses(
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     # GRPO repeats each prompt G times: prefill each distinct prompt once and copy its cache.
     keyed = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
-    distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    share = distinct.shape[0] < batch
-    first = first_of_each(inverse) if share else None
+    first, inverse = distinct_rows(keyed)
+    share = first.shape[0] < batch
     cache = new_cache()
     out = model(
         input_ids=prompt_ids[first] if share else prompt_ids,

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from tether._compat import checkpointed_layers
 from tether.models.reference import AdapterDisabledReference
+from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
 from tether.ops import (
     TokenStats,
@@ -104,50 +105,6 @@ def _head_is_linear(model: nn.Module, decoder: nn.Module, head: nn.Module) -> bo
     return bool(torch.allclose(logits, mine, rtol=rtol, atol=rtol * float(mine.abs().max().clamp_min(1e-30))))
 
 
-def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Start index and length of the single run of valid tokens of each row.
-
-    Args:
-        attention_mask: ``bool [B, T]``; each row must be one contiguous run (left, right or
-            no padding).
-
-    Returns:
-        ``(start [B], length [B])``, both ``long``.
-    """
-    mask = attention_mask.bool()
-    lengths = mask.sum(-1)
-    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
-    cols = torch.arange(mask.shape[-1], device=mask.device)
-    rebuilt = (cols >= start[:, None]) & (cols < (start + lengths)[:, None])
-    if not torch.equal(rebuilt, mask):
-        bad = (rebuilt != mask).any(-1).nonzero().flatten().tolist()
-        raise ValueError(
-            f"attention_mask: expected each row to be one contiguous run of valid tokens "
-            f"(left or right padding), but rows {bad[:8]} have holes. Remove the interior "
-            "padding or score those rows separately."
-        )
-    return start, lengths
-
-
-def plan_micro_batches(lengths: Tensor, token_budget: int) -> list[Tensor]:
-    """Group row indices, longest first, so each group's padded size fits the budget.
-
-    A row longer than the budget gets a group of its own. Returns index tensors whose
-    concatenation is a permutation of ``range(B)``.
-    """
-    order = torch.argsort(lengths, descending=True, stable=True)
-    sorted_lengths = lengths[order].tolist()
-    groups: list[Tensor] = []
-    begin = 0
-    while begin < len(sorted_lengths):
-        longest = max(sorted_lengths[begin], 1)
-        rows = max(1, token_budget // longest)
-        end = min(len(sorted_lengths), begin + rows)
-        groups.append(order[begin:end])
-        begin = end
-    return groups
-
-
 def score_tokens(
     model: nn.Module,
     tokens: Tensor,
@@ -215,35 +172,6 @@ def _score_shared(model, tokens, attention_mask, temperature, chunk_size, token_
     )
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """One right-padded micro-batch cut out of a ``[B, T]`` batch."""
-
-    ids: Tensor  # long [b, L] on the model's device
-    valid: Tensor  # bool [b, L] on the model's device
-    flat_index: Tensor  # long [n]: row * T + column of each predicted token (t >= 1)
-    keep: Tensor  # bool [b, L - 1]: which predicted positions are real tokens
-
-
-def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int, device) -> list[MicroBatch]:
-    """Cut a padded batch into length-sorted, right-padded micro-batches (see module doc)."""
-    start, lengths = row_spans(attention_mask)
-    width = tokens.shape[-1]
-    out: list[MicroBatch] = []
-    for rows in plan_micro_batches(lengths, token_budget):
-        length = int(lengths[rows].max())
-        if length < 2:
-            continue  # a row of 0 or 1 token has no predicted token
-        cols = torch.arange(length, device=tokens.device)
-        src = (start[rows, None] + cols).clamp(max=width - 1)
-        valid = cols < lengths[rows, None]
-        ids = torch.where(valid, tokens[rows[:, None], src], 0)
-        keep = valid[:, 1:]
-        flat_index = (rows[:, None] * width + src[:, 1:])[keep]
-        out.append(MicroBatch(ids.to(device), valid.to(device), flat_index.to(device), keep.to(device)))
-    return out
-
-
 def _score(
     model: nn.Module,
     tokens: Tensor,
@@ -265,8 +193,8 @@ def _score(
         flat_lp.append(stats.log_probs[mb.keep])
         if with_entropy:
             flat_ent.append(stats.entropy[mb.keep])
-    log_probs = _scatter(flat_index, flat_lp, batch, width, device)
-    entropy = _scatter(flat_index, flat_ent, batch, width, device) if with_entropy else None
+    log_probs = scatter_tokens(flat_index, flat_lp, batch, width, device)
+    entropy = scatter_tokens(flat_index, flat_ent, batch, width, device) if with_entropy else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
 
 
@@ -318,7 +246,7 @@ def exact_kl_tokens(
         )
         values.append(kl[mb.keep])
         index.append(mb.flat_index)
-    return _scatter(index, values, batch, width, device)
+    return scatter_tokens(index, values, batch, width, device)
 
 
 def _micro_batch_stats(
@@ -348,13 +276,3 @@ def _micro_batch_stats(
     log_probs = token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size)
     entropy = token_entropy(logits, temperature=temperature, chunk_size=chunk_size) if with_entropy else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
-
-
-def _scatter(index: list[Tensor], values: list[Tensor], batch: int, width: int, device) -> Tensor:
-    """Place flat per-token values at flat ``row * width + col`` positions of a zero grid."""
-    if not values:
-        return torch.zeros(batch, width, device=device)
-    flat_values = torch.cat(values)
-    flat_index = torch.cat(index).to(device)
-    grid = flat_values.new_zeros(batch * width)
-    return grid.index_put((flat_index,), flat_values).view(batch, width)

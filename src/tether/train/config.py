@@ -45,6 +45,7 @@ class TrainConfig:
     overwrite: bool = _f(False, "Replace the run in --out (its config, metrics, plots, summary and checkpoints); without it a directory that is not empty is refused.")
     workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
     ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
+    ray_timeout: float = _f(600.0, "Seconds any wait on Ray may last (connecting, actors starting, a step's rollouts) before the run fails.")
     threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
     # --- rollout
     prompts_per_step: int = _f(12, "Distinct prompts per step.")
@@ -152,6 +153,7 @@ class TrainConfig:
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
         need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
+        need(self.ray_timeout > 0, f"ray_timeout: expected > 0 seconds, got {self.ray_timeout}")
         need(0 < self.clip_epsilon < 1, f"clip_epsilon: expected in (0, 1), got {self.clip_epsilon}")
         need(self.kl_target > 0, f"kl_target: expected > 0, got {self.kl_target}")
         need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
