@@ -9,7 +9,7 @@ the same token count; sampling, reward and reference scoring are set-up, not tim
 variant runs in a fresh process (``_common``); memory is the peak resident-set growth over
 the steady state, i.e. what the loss's activations and gradients add.
 
-    .venv/bin/python benchmarks/precision.py            # 2 prompts x 4 answers x 32 tokens
+    .venv/bin/python benchmarks/precision.py            # 2 prompts x 4 answers x 24 tokens, LoRA
     .venv/bin/python benchmarks/precision.py --quick    # a smoke run
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
 
-FULL = {"prompts": 2, "group": 4, "max_new_tokens": 32, "micro_batch_size": 8}
+FULL = {"prompts": 2, "group": 4, "max_new_tokens": 24, "micro_batch_size": 8}
 QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4, "micro_batch_size": 4}
 
 
@@ -61,10 +61,11 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="Tiny batch, one repeat: checks the script runs.")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--full-finetune", action="store_true", help="Also the rows with lora_rank=0.")
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     rows = []
-    for lora_rank in (16, 0):
+    for lora_rank in (16, 0) if args.full_finetune else (16,):
         for dtype in ("float32", "bfloat16"):
             for checkpointing in (False, True):
                 kwargs = {"dtype": dtype, "checkpointing": checkpointing, "lora_rank": lora_rank,

@@ -127,7 +127,7 @@ def test_cli_user_errors_are_one_line_with_status_2(tmp_path, capsys):
         (["train", "--lerning-rate", "1e-3", *out], "unrecognized arguments: --lerning-rate; did you mean --learning-rate?"),
         (["train", "--fp16", *out], "fp16 (a TRL GRPOConfig name) has no tether equivalent"),
         (["train", "--dtype", "float16", *out], "dtype='float16' is not supported; choose one of: 'float32', 'bfloat16'"),
-        (["train", "--model", str(tmp_path / "no-dir"), *out], "which is no directory; check the path"),
+        (["train", "--model", str(tmp_path / "no-dir"), *out], "no such directory; check the path"),
         (["train", "--model", "tiny", "--adapter", str(tmp_path), *out], "adapter: expected a directory holding a PEFT"),
     ]
     if not torch.cuda.is_available():

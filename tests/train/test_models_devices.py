@@ -66,7 +66,7 @@ def test_a_hub_id_in_the_local_cache_loads_without_network(tmp_path, monkeypatch
 
 
 def test_a_missing_path_is_not_looked_up_as_a_hub_id(tmp_path, no_network):
-    with pytest.raises(ValueError, match="which is no directory; check the path"):
+    with pytest.raises(ValueError, match="no such directory; check the path"):
         load_base(str(tmp_path / "nothing" / "here"), seed=0)
 
 

@@ -33,7 +33,7 @@ def model_directory(spec: str) -> Path:
     if path.is_dir():
         return path
     if _looks_like_path(spec):
-        raise ValueError(f"model: expected {_KINDS}, got {spec!r}, which is no directory; check the path.")
+        raise ValueError(f"model: expected {_KINDS}, got {spec!r}: no such directory; check the path.")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 

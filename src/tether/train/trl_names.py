@@ -98,7 +98,8 @@ TRL_NAMES: dict[str, TRLName] = {
                                            "time; set prompts_per_step and micro_batch_size"),
     "num_train_epochs": TRLName(None, "tether counts optimizer steps; set steps"),
     "logging_steps": TRLName(None, "tether logs every step to metrics.jsonl"),
-    "fp16": TRLName(None, "float16 training needs loss scaling, which tether does not do; use dtype=bfloat16", switch=True),
+    "fp16": TRLName(None, "float16 training needs loss scaling, which tether does not do; use dtype=bfloat16",
+                    switch=True),
     "delta": TRLName(None, "the two-sided clip bound (INTELLECT-2) has no tether equivalent; dual_clip is "
                      "the PPO dual clip, a bound on negative-advantage tokens"),
     "top_p": TRLName(None, _FULL_SOFTMAX),
@@ -109,12 +110,15 @@ TRL_NAMES: dict[str, TRLName] = {
     "steps_per_generation": TRLName(None, _ONE_ROLLOUT),
     "use_vllm": TRLName(None, "tether samples with its own KV-cache sampler, in-process or on Ray workers "
                         "(workers=N)", switch=True),
-    "mask_truncated_completions": TRLName(None, "truncated answers stay in the loss; raise max_new_tokens", switch=True),
+    "mask_truncated_completions": TRLName(None, "truncated answers stay in the loss; raise max_new_tokens",
+                                          switch=True),
     "top_entropy_quantile": TRLName(None, "every response token is in the loss"),
     "max_prompt_length": TRLName(None, "prompts are never truncated"),
     "model_init_kwargs": TRLName(None, "use model, dtype and device"),
-    "disable_dropout": TRLName(None, "dropout is always off: the policy and reference run in eval mode", switch=True),
-    "cast_lm_head_to_fp32": TRLName(None, "log-softmax, entropy and KL over the vocabulary always run in float32", switch=True),
+    "disable_dropout": TRLName(None, "dropout is always off: the policy and reference run in eval mode",
+                               switch=True),
+    "cast_lm_head_to_fp32": TRLName(None, "log-softmax, entropy and KL over the vocabulary always run in "
+                                    "float32", switch=True),
     "gradient_checkpointing_kwargs": TRLName(None, "gradient_checkpointing uses non-reentrant checkpointing "
                                              "and takes no options"),
     "log_completions": TRLName(None, "use log_completions_every=K", switch=True),
@@ -126,7 +130,8 @@ TRL_NAMES: dict[str, TRLName] = {
                                            "group advantages (TRL's sum_then_normalize)"),
     "resume_from_checkpoint": TRLName(None, "use tether train --resume RUN_DIR"),
     "optim": TRLName(None, "the optimizer is AdamW (learning_rate, weight_decay)"),
-    "use_peft": TRLName(None, "LoRA is on unless lora_rank=0; --adapter PATH continues an existing adapter", switch=True),
+    "use_peft": TRLName(None, "LoRA is on unless lora_rank=0; --adapter PATH continues an existing adapter",
+                        switch=True),
 }
 
 
