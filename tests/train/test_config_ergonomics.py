@@ -90,7 +90,7 @@ def test_every_mapping_lands_on_a_field_and_a_registered_value(name):
 def test_choices_are_read_from_the_registries(monkeypatch):
     """A name added to a registry is a valid config value with no edit to config.py."""
     choices = config_choices()
-    assert set(choices) >= {"aggregation", "advantage", "kl_mode", "kl_estimator", "kl_controller",
+    assert set(choices) >= {"aggregation", "advantage", "kl_mode", "kl_estimator", "kl_controller", "kl_signal",
                             "reference_update", "dtype", "device"}
     for field, table in choices.items():
         monkeypatch.setitem(table, "zz-new", object())

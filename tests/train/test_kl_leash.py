@@ -15,7 +15,8 @@ from tether.train.recipe import add_advantages, build_run, rollout, score_reward
 
 # lr 1e-2 on the tiny model: at a constant beta 3 its exact KL creeps to about 0.5 nats, at
 # beta 0.01 it runs past 4 in 12 steps; a target of 1 nat is reachable only by moving beta.
-LEASH = dict(learning_rate=1e-2, prompts_per_step=4, group_size=4, checkpoint_every=0, kl_coef=3.0, kl_target=1.0)
+LEASH = dict(learning_rate=1e-2, prompts_per_step=4, group_size=4, checkpoint_every=0, kl_coef=3.0, kl_target=1.0,
+             kl_signal="exact")
 
 
 def _records(out) -> list[dict]:
@@ -93,3 +94,15 @@ def test_reward_mode_is_driven_too(tmp_path):
     train(tiny_cfg(out, steps=4, kl_mode="reward", kl_controller="target", **LEASH), progress=False)
     betas = [r["kl_coef"] for r in _records(out)]
     assert betas[:2] == [3.0, 3.0] and betas[3] < betas[2] < 3.0  # KL far under target: released
+
+
+def test_sampled_signal_is_the_default_and_skips_the_exact_pass(tmp_path):
+    """Without kl_signal=exact no exact KL is computed: the controller and the bound read the
+    sampled k1 per answer, and the record says so."""
+    out = tmp_path / "run"
+    summary = train(tiny_cfg(out, steps=3, kl_bound=0.05, **{**LEASH, "kl_signal": "sampled", "kl_coef": 0.01}),
+                    progress=False)
+    records = _records(out)
+    assert all("kl_exact_per_seq" not in r and r["kl_signal"] == "sampled" for r in records)
+    assert [r["kl_over_bound"] for r in records] == [r["kl_per_seq"] > 0.05 for r in records]
+    assert summary["steps_over_kl_bound"] == sum(r["kl_over_bound"] for r in records)

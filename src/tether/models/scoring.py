@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from tether._compat import checkpointed_layers
+from tether.models._limits import check_fits_model
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
@@ -40,6 +41,7 @@ from tether.ops import (
     token_logprobs,
     token_stats_from_hidden,
 )
+from tether.ops._vocab_checks import check_token_ids
 
 # Most ``rows * longest_row`` tokens per forward pass. Measured on the embedded model on CPU
 # (benchmarks/scoring.py): 1024 scores mixed-length chats about 20 % faster than 4096, which
@@ -142,6 +144,8 @@ def score_tokens(
         )
     if token_budget < 1:
         raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    check_token_ids("tokens", tokens)
+    check_fits_model(model, tokens, attention_mask)
     with ExitStack() as stack:
         if isinstance(model, AdapterDisabledReference):
             # The reference shares the policy's weights: score the base model with the adapter
@@ -220,15 +224,27 @@ def exact_kl_tokens(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    where: Tensor | None = None,
 ) -> Tensor:
     """Exact KL(pi(.|x_<t) || pi_ref(.|x_<t)) at every position ``t`` of ``tokens [B, T]``.
 
     Aligned like log-probs: entry ``t`` is the KL of the distributions that predict token
     ``t``; 0 at each row's first token and at padding. Full-vocabulary, never ``[B, T, V]``.
+    ``where`` (``bool [B, T]``, e.g. the assistant mask) limits the vocabulary-wide work to
+    those positions (0 elsewhere): the decoders still read whole rows for the context, but
+    the two heads, the softmaxes and the KL run only where the value is wanted.
     """
+    if where is not None and (where.shape != tokens.shape or where.dtype != torch.bool):
+        raise ValueError(
+            f"where: expected a bool mask of the tokens' shape {tuple(tokens.shape)}, got "
+            f"{where.dtype} {tuple(where.shape)}. Pass e.g. the assistant mask, or None for every position."
+        )
     parts = causal_lm_parts(model)
     device = parts.head.weight.device
     batch, width = tokens.shape
+    check_token_ids("tokens", tokens)
+    check_fits_model(model, tokens, attention_mask)
+    check_fits_model(reference, tokens, attention_mask)
     kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     values: list[Tensor] = []
     index: list[Tensor] = []
@@ -239,13 +255,14 @@ def exact_kl_tokens(
             if isinstance(reference, AdapterDisabledReference):
                 ref = stack.enter_context(reference.disabled())
             ref_hidden, ref_head = _last_hidden(ref, mb.ids, mb.valid)
-        kl = exact_kl_from_hidden(
-            hidden[:, :-1], head.weight, ref_hidden[:, :-1], ref_head.weight,
+        # Kept positions, flattened in the order of mb.flat_index, then narrowed to ``where``.
+        chosen = torch.ones_like(mb.flat_index, dtype=torch.bool) if where is None else where.reshape(-1).to(device)[mb.flat_index]
+        values.append(exact_kl_from_hidden(
+            hidden[:, :-1][mb.keep][chosen], head.weight, ref_hidden[:, :-1][mb.keep][chosen], ref_head.weight,
             temperature=temperature, lm_head_bias=getattr(head, "bias", None),
             ref_lm_head_bias=getattr(ref_head, "bias", None), **kwargs,
-        )
-        values.append(kl[mb.keep])
-        index.append(mb.flat_index)
+        ))
+        index.append(mb.flat_index[chosen])
     return scatter_tokens(index, values, batch, width, device)
 
 

@@ -73,6 +73,7 @@ class TrainConfig:
     kl_controller: str = _f("constant", "'constant', 'adaptive' (Ziegler et al. 2019) or 'target' (holds the KL at kl_target every step; kl_coef is its start) control of beta.")
     kl_target: float = _f(1.0, "KL the adaptive or target controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
+    kl_signal: str = _f("sampled", "KL the controller and kl_bound read: 'sampled' (k1 along the sampled answers, free) or 'exact' (full-vocabulary KL at the answer positions, logged as kl_exact_*; one extra no-grad pass of policy and reference, about 2.7x a reference pass today).")
     kl_bound: float = _f(3.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
@@ -187,9 +188,10 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.models import REFERENCE_UPDATES
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, KL_ESTIMATORS
     from tether.train.devices import DEVICES, DTYPES
+    from tether.train.kl_signal import KL_SIGNALS
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
-            "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS,
+            "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES}
 
 

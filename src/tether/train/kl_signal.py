@@ -29,6 +29,12 @@ from torch import Tensor
 
 from tether.models.scoring import causal_lm_parts, exact_kl_tokens
 
+# The config's kl_signal choices (read by TrainConfig.validate).
+KL_SIGNALS: dict[str, str] = {
+    "sampled": "k1 summed along the sampled answers",
+    "exact": "full-vocabulary KL at every position of the sampled answers",
+}
+
 
 @dataclass(frozen=True)
 class KLMeasurement:
@@ -77,6 +83,6 @@ def measure_kl(batch: Any, sampled: Tensor, *, policy: torch.nn.Module | None, r
     exact = None
     if policy is not None:
         per_token = exact_kl_tokens(policy, reference, batch["tokens", "full"],
-                                    batch["masks", "all_attention_mask"], temperature=temperature)
+                                    batch["masks", "all_attention_mask"], temperature=temperature, where=mask)
         exact = (per_token.to(mask.device) * mask).sum(-1).double().cpu()
     return KLMeasurement(sampled=sampled.detach().double().cpu(), exact=exact, tokens=int(mask.sum()))

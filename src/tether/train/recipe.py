@@ -236,7 +236,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     kl_seq = add_advantages(run, batch, rewards)
     # Measured before the update: both KLs then describe the policy that sampled the batch.
     policy = run.models.policy
-    kl = measure_kl(batch, kl_seq, policy=policy if has_exact_kl(policy) else None,
+    exact = cfg.kl_signal == "exact" and has_exact_kl(policy)
+    kl = measure_kl(batch, kl_seq, policy=policy if exact else None,
                     reference=run.models.reference, temperature=cfg.temperature)
     opt = optimize(run, batch, step)
     if run.ref_updater is not None:
