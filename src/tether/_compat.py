@@ -3,10 +3,11 @@
 Everything here leans on something a dependency does not promise to keep: the layout of
 ``transformers``' ``DynamicCache`` (its ``layers`` with ``keys``/``values``, the
 ``ddp_cache_data`` constructor argument, ``batch_select_indices``), the quantizer bookkeeping
-that GGUF loading leaves on a model, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its
-resolution of a bootstrap address. Keeping them together means a dependency upgrade is
-checked in one file, and ``TESTED`` (mirrored by the upper bounds in ``pyproject.toml``)
-says which releases that file was checked against.
+that GGUF loading leaves on a model, the training-mode gate of transformers' gradient
+checkpointing, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its resolution of a bootstrap
+address. Keeping them together means a dependency upgrade is checked in one file, and
+``TESTED`` (mirrored by the upper bounds in ``pyproject.toml``) says which releases that file
+was checked against.
 ``version_problems()`` lists installed releases outside those ranges; importing tether warns
 about them once, and the test suite fails on them with the same message.
 """
@@ -123,6 +124,47 @@ def has_tuner_layers(model: Any) -> bool:
     except ImportError:
         return False
     return any(isinstance(module, BaseTunerLayer) for module in model.modules())
+
+
+# ------------------------------------------------------------------ gradient checkpointing
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, active only under grad mode.
+
+    transformers checkpoints a layer only while the layer is in training mode, and drops the
+    KV cache when it does. tether keeps every model in eval mode (dropout off), so a forward
+    pre-hook sets the checkpointed layers' own ``training`` flag (not their children's, so
+    attention dropout stays off) to ``torch.is_grad_enabled()`` before the decoder stack runs
+    (a hook on each layer would come too late where ``__call__`` itself checkpoints, as in
+    transformers 4): the loss's forward is
+    checkpointed, sampling and scoring under ``no_grad`` keep their cache. The method is
+    ``activation_checkpointing_enable`` from transformers 5, ``gradient_checkpointing_enable``
+    before; the hook reads the layers at call time, so a deep copy of the model stays separate.
+    """
+    import torch
+
+    if getattr(model, "activation_checkpointing_enable", None) is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not checkpointed_layers(model):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no checkpointable layers; "
+                         "turn gradient_checkpointing off for this model.")
+
+    def follow_grad_mode(module: Any, args: Any) -> None:
+        for layer in checkpointed_layers(module):
+            layer.training = torch.is_grad_enabled()
+
+    # On the decoder stack: generation enters through the model, tether's scoring through the
+    # decoder itself (see tether.models.scoring), and both reach the layers from there.
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder.register_forward_pre_hook(follow_grad_mode)
+
+
+def checkpointed_layers(model: Any) -> list[Any]:
+    """The decoder layers of ``model`` whose activations transformers would checkpoint."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
 # ------------------------------------------------------------------ Ray start-up

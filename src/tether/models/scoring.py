@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens
@@ -161,6 +162,9 @@ def score_tokens(
 def _score_shared(model, tokens, attention_mask, temperature, chunk_size, token_budget, with_entropy) -> TokenStats | None:
     parts = causal_lm_parts(model)
     if parts.decoder is None:
+        return None
+    if torch.is_grad_enabled() and checkpointed_layers(parts.decoder):
+        # A checkpointed layer drops the KV cache the suffixes would be scored on.
         return None
     row_spans(attention_mask)  # same contiguity contract (and error) as plain scoring
     split = plan_prefix_split(tokens, attention_mask)

@@ -5,19 +5,22 @@ sets ``prompts_per_step``), and their help is the field documentation. ``--confi
 loads a YAML file first; trailing ``key=value`` words override both. ``--resume RUN`` takes
 RUN's config.yaml, and its flags and overrides may change only what a resume may change.
 
-A user error (bad config, a directory holding another run, a damaged checkpoint, a failing
-task) prints one line on stderr and exits with status 2, without a traceback.
+A user error (bad command line, bad config, a directory holding another run, a damaged
+checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
+traceback. TRL ``GRPOConfig`` names are accepted as flags and keys (see ``trl_names``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from dataclasses import fields
 from pathlib import Path
 
+from tether.train.cli_parser import Parser, add_trl_flags, trl_flag_values
 from tether.train.config import TrainConfig
 from tether.train.tasks import TASKS, TaskError
 
@@ -35,11 +38,15 @@ def _train_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     for f in fields(TrainConfig):
         flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
-        if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true
-            p.add_argument(flag, dest=f.name, default=None, action="store_true", help=text)
-        else:
-            p.add_argument(flag, dest=f.name, default=None, metavar=type(f.default).__name__.upper(), help=text)
+        # TRL's spelling (--learning_rate) as a hidden alias of --learning-rate.
+        for spelling, shown in ((flag, text), (f"--{f.name}", argparse.SUPPRESS))[: 1 + ("_" in f.name)]:
+            if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true
+                p.add_argument(spelling, dest=f.name, default=None, action="store_true", help=shown)
+            else:
+                p.add_argument(spelling, dest=f.name, default=None, metavar=type(f.default).__name__.upper(),
+                               help=shown)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Config overrides.")
+    add_trl_flags(p, set(TrainConfig.field_names()))
 
 
 def _parse_overrides(words: list[str]) -> dict[str, str]:
@@ -56,7 +63,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     from tether.train.run_dir import check_resume_overrides, read_run_config
 
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
-    changes = {**flags, **_parse_overrides(args.overrides)}
+    changes = {**trl_flag_values(args), **flags, **_parse_overrides(args.overrides)}
     if args.resume:
         if args.config:
             raise ValueError(f"--config and --resume {args.resume} together: a resume uses the run's own config.yaml.")
@@ -157,7 +164,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tether", description="RL post-training of LLMs on a KL leash.")
+    # Every from_pretrained call already passes local_files_only; this also covers code that
+    # the user's task or reward file runs, and libraries imported after this point.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = Parser(prog="tether", description="RL post-training of LLMs on a KL leash.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     e = sub.add_parser("eval", help="Held-out accuracy and KL of a run's last checkpoint or of an untrained model.")
@@ -176,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--best", action="store_true", help="Export the best checkpoint (best/, kept by eval_every).")
     pl = sub.add_parser("plot", help="Write PNG plots of a run's metrics.jsonl.")
     pl.add_argument("run_dir")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, which knows its flags for a suggestion
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     handlers = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot}
     # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
     shown = warnings.formatwarning

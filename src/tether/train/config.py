@@ -8,12 +8,18 @@ apply on top. ``validate()`` reports every problem at once in a single ``ValueEr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import warnings
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tether.ops.registry import lookup
+from tether.train.trl_names import TRL_NAMES, TRLNameNote, translate
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:
@@ -25,7 +31,11 @@ class TrainConfig:
     """GRPO with a KL leash; defaults are tuned for the embedded model on 2 CPU cores."""
 
     # --- run
-    model: str = _f("default", "Policy: 'default' (embedded SmolLM2-135M-Instruct), 'tiny' (2-layer random model for smoke runs) or a local HF model directory.")
+    model: str = _f("default", "Policy: 'default' (embedded SmolLM2-135M-Instruct), 'tiny' (2-layer random model for smoke runs), a local HF model directory, or a hub id already in the local HF cache (nothing is downloaded).")
+    adapter: str = _f("", "Directory of a PEFT LoRA adapter of the model to continue training (its rank, alpha and targets replace lora_*); the reference is the model with this adapter as loaded.")
+    dtype: str = _f("float32", "Weights' dtype: float32 or bfloat16 (vocabulary reductions and LoRA factors stay float32).")
+    device: str = _f("auto", "auto (cuda when a GPU is visible, else cpu), cpu or cuda (refused without a GPU).")
+    gradient_checkpointing: bool = _f(False, "Recompute each decoder layer's activations in backward instead of storing them (less memory, about a third more compute).")
     task: str = _f("arithmetic", "Task name from the registry, or a path to a .py file defining TASK or make_task().")
     steps: int = _f(16, "Number of optimizer steps.")
     seed: int = _f(0, "Seed for data, sampling and initialisation.")
@@ -92,13 +102,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
         """Build from a mapping of field names (YAML keys); unknown keys are errors."""
-        unknown = sorted(set(values) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(
-                f"config: unknown keys {unknown}. Valid keys: {cls.field_names()}."
-            )
-        cfg = cls()
-        return cfg.override({k: v for k, v in values.items()})
+        return cls().override(values)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainConfig":
@@ -120,19 +124,22 @@ class TrainConfig:
 
     def override(self, values: dict[str, Any]) -> "TrainConfig":
         """A copy with ``values`` (raw strings or typed values) converted to each field's type."""
-        problems: list[str] = []
-        updates: dict[str, Any] = {}
         types = {f.name: type(f.default) for f in fields(self)}
-        for key, raw in values.items():
+        trl = translate(values, types)
+        problems, updates = list(trl.problems), {}
+        for key, raw in trl.values.items():
             if key not in types:
-                problems.append(f"unknown key {key!r} (valid: {', '.join(types)})")
+                problems.append(_unknown_key(key, types))
                 continue
             try:
                 updates[key] = _convert(raw, types[key])
             except ValueError:
-                problems.append(f"{key}: expected {types[key].__name__}, got {raw!r}")
+                name = f"{key} (TRL's {trl.renamed[key]})" if key in trl.renamed else key
+                problems.append(f"{name}: expected {types[key].__name__}, got {raw!r}")
         if problems:
             raise ValueError("config: " + "; ".join(problems))
+        for note in trl.notes:
+            warnings.warn(note, TRLNameNote, stacklevel=2)
         return dataclasses.replace(self, **updates)
 
     def to_yaml(self) -> str:
@@ -166,8 +173,11 @@ class TrainConfig:
         need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
         need(0 < self.reference_alpha <= 1, f"reference_alpha: expected in (0, 1], got {self.reference_alpha}")
         need(self.lora_rank == 0 or self.lora_alpha > 0, f"lora_alpha: expected > 0, got {self.lora_alpha}")
-        for name, allowed in _CHOICES.items():
-            need(getattr(self, name) in allowed, f"{name}: expected one of {sorted(allowed)}, got {getattr(self, name)!r}")
+        for name, table in config_choices().items():
+            try:
+                lookup(table, getattr(self, name), name)
+            except ValueError as exc:
+                p.append(str(exc))
         if self.kl_mode == "loss":
             need(self.kl_estimator in ("k2", "k3"), f"kl_estimator: kl_mode='loss' needs k2 or k3, got {self.kl_estimator!r}")
         need(not (self.lora_rank and self.reference_update == "ema"),
@@ -180,22 +190,9 @@ class TrainConfig:
         return self
 
 
-def _registry_choices() -> dict[str, set[str]]:
-    """Choices read from the registries that implement them, so a new variant needs no edit here."""
-    from tether.objectives import RATIO_LEVELS
-    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES
-    from tether.train.schedule import LR_SCHEDULES
-    from tether.train.tracking import TRACKERS
-
-    return {"aggregation": set(AGGREGATION_MODES), "advantage": set(ADVANTAGE_MODES), "ratio_level": set(RATIO_LEVELS),
-            "importance_correction": {"none", *IMPORTANCE_WEIGHT_MODES},
-            "lr_schedule": set(LR_SCHEDULES), "report_to": set(TRACKERS)}
-
-
 def _loop_problems(cfg: TrainConfig) -> list[str]:
-    """The loop knobs' checks beyond their sign (``validate`` runs them with the others)."""
-    p = [f"{name}: expected one of {sorted(allowed)}, got {getattr(cfg, name)!r}"
-         for name, allowed in _registry_choices().items() if getattr(cfg, name) not in allowed]
+    """The loop knobs' checks beyond their sign and choice (``validate`` runs them with the others)."""
+    p = []
     batch = cfg.prompts_per_step * cfg.group_size
     if not 1 <= cfg.updates_per_rollout <= max(batch, 1):
         p.append(f"updates_per_rollout: expected 1..{batch} (prompts_per_step * group_size sequences to cut "
@@ -210,13 +207,39 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
-_CHOICES: dict[str, set[str]] = {
-    "kl_mode": {"loss", "reward"},
-    "kl_estimator": {"k1", "k2", "k3"},
-    "kl_controller": {"constant", "adaptive", "target"},
-    "kl_signal": {"sampled", "exact"},
-    "reference_update": {"fixed", "sync", "ema"},
+KL_MODES: dict[str, str] = {
+    "loss": "gradient-correct KL term (kl_estimator) in the loss",
+    "reward": "k1 per-token penalty in the reward, with reward-to-go",
 }
+
+
+def config_choices() -> dict[str, Mapping[str, Any]]:
+    """Each choice field and the registry whose names it takes, so a new variant needs no edit here."""
+    from tether.control import KL_CONTROLLERS
+    from tether.models import REFERENCE_UPDATES
+    from tether.objectives import RATIO_LEVELS
+    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
+    from tether.train.devices import DEVICES, DTYPES
+    from tether.train.kl_signal import KL_SIGNALS
+    from tether.train.schedule import LR_SCHEDULES
+    from tether.train.tracking import TRACKERS
+
+    return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
+            "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
+            "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
+            "ratio_level": RATIO_LEVELS, "importance_correction": {"none": None, **IMPORTANCE_WEIGHT_MODES},
+            "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS}
+
+
+def _unknown_key(key: str, known: Collection[str]) -> str:
+    """The problem for an unknown key, with the closest tether key or TRL name as a suggestion."""
+    close = difflib.get_close_matches(key, [*known, *TRL_NAMES], n=1, cutoff=0.6)
+    if not close:
+        return f"unknown key {key!r} (no close match; `tether train --help` lists every key)"
+    match = close[0]
+    if match in known:
+        return f"unknown key {key!r}; did you mean {match!r}?"
+    return f"unknown key {key!r}; did you mean {match!r} (TRL's name for {TRL_NAMES[match].target or 'nothing in tether'})?"
 
 
 def _task_problem(task: str) -> list[str]:

@@ -29,6 +29,12 @@ from torch import Tensor
 
 from tether.models.scoring import causal_lm_parts, exact_kl_tokens
 
+# The config's kl_signal choices (read by TrainConfig.validate).
+KL_SIGNALS: dict[str, str] = {
+    "sampled": "k1 summed along the sampled answers",
+    "exact": "full-vocabulary KL at every position of the sampled answers",
+}
+
 
 @dataclass(frozen=True)
 class KLMeasurement:

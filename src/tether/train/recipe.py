@@ -36,6 +36,7 @@ from tether.ops import aggregate_denominator, group_advantages, reward_to_go
 from tether.train.best import BestEval, best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
+from tether.train.devices import load_generator_state
 from tether.train.evaluate import evaluate
 from tether.train.kl_signal import has_exact_kl, measure_kl
 from tether.train.metrics import MetricsLog, plot_metrics
@@ -94,7 +95,7 @@ def build_run(cfg: TrainConfig) -> Run:
     held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
     tok = models.tokenizer
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator(device=models.device).manual_seed(cfg.seed)  # multinomial needs its device's RNG
     sampler = TransformersWrapper(
         models.policy, tok, generate=True, temperature=cfg.temperature,
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
@@ -333,7 +334,7 @@ def _restore(run: Run) -> tuple[int, dict[str, Any]]:
         raise ValueError(f"steps: {run.cfg.steps} is below the step of {ckpt.path} ({ckpt.step}); "
                          f"a resume can only extend a run, so give steps >= {ckpt.step}.")
     torch.set_rng_state(rng["torch"])
-    run.generator.set_state(rng["sampling"])
+    load_generator_state(run.generator, rng["sampling"], ckpt.path)
     run.controller.load_state_dict(ckpt.state["controller"])
     if run.ref_updater is not None and ckpt.state.get("reference_updater"):
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])

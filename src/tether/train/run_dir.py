@@ -136,6 +136,12 @@ def _check_record(path: Path, state: dict[str, Any], cfg: TrainConfig, fingerpri
             f"{', '.join(allowed)} may differ; restore config.yaml, or start a new run in another directory."
         )
     base = state["base"]
+    if "adapter" in fingerprint and base.get("adapter") != fingerprint["adapter"]:
+        raise CheckpointError(
+            f"{path}: trained from another adapter than the one now in {cfg.adapter} (digest "
+            f"{str(base.get('adapter'))[:12]} then, {fingerprint['adapter'][:12]} now), so the run's reference "
+            "would change; restore that adapter directory, or start a new run in another directory."
+        )
     if {k: base.get(k) for k in fingerprint} != fingerprint:
         raise CheckpointError(
             f"{path}: trained on base model {base.get('model')!r} (weights {str(base.get('weights'))[:12]}, "

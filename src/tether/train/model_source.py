@@ -1,0 +1,91 @@
+"""Loading the base model and tokenizer that ``--model`` names, and an optional PEFT adapter.
+
+``--model`` is ``default`` (the embedded SmolLM2), ``tiny`` (random 2-layer model), a local
+Hugging Face directory, or a hub id whose snapshot is already in the local Hugging Face cache.
+Nothing is ever downloaded: hub ids resolve through ``snapshot_download(local_files_only=True)``
+and every ``from_pretrained`` call passes ``local_files_only=True``, so an uncached id fails
+with one sentence saying how to fetch it, instead of a network error or a silent download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tether.models import load_default_model
+from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+
+_KINDS = "'default', 'tiny', a local model directory or a hub id in the local Hugging Face cache"
+
+
+def _looks_like_path(spec: str) -> bool:
+    # A hub id is "name" or "owner/name"; anything else the user typed is meant as a path.
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
+
+
+def model_directory(spec: str) -> Path:
+    """The local directory holding ``spec``: the directory itself, or its cached hub snapshot."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if _looks_like_path(spec):
+        raise ValueError(f"model: expected {_KINDS}, got {spec!r}: no such directory; check the path.")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec, local_files_only=True))
+    except HFValidationError as exc:
+        raise ValueError(f"model: expected {_KINDS}, got {spec!r}, which is neither a directory nor a valid hub "
+                         "id; check the spelling.") from exc
+    except LocalEntryNotFoundError as exc:
+        raise ValueError(
+            f"model: {spec!r} is no local directory and is not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); tether never downloads. Fetch it once with `hf download {spec}` "
+            "(or set HF_HUB_CACHE to the cache that holds it), or pass a local directory."
+        ) from exc
+
+
+def load_base(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """``(model in eval mode, tokenizer)`` for ``spec`` (see the module docstring), in ``dtype``."""
+    if spec == "default":
+        return load_default_model(dtype=dtype)
+    if spec == "tiny":
+        tokenizer = byte_tokenizer()
+        return tiny_causal_lm(tokenizer, hidden=64, layers=2, seed=seed, head_scale=1.0, dtype=dtype), tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_directory(spec)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def load_adapter(base: nn.Module, path: str) -> nn.Module:
+    """``base`` wrapped by PEFT with the LoRA adapter saved in ``path``, its weights trainable."""
+    import peft
+
+    directory = Path(path).expanduser()
+    if not (directory / "adapter_config.json").is_file():
+        raise ValueError(f"adapter: expected a directory holding a PEFT adapter (adapter_config.json), got "
+                         f"{path!r}; pass the directory that save_pretrained wrote.")
+    config = peft.PeftConfig.from_pretrained(directory)
+    if config.peft_type != peft.PeftType.LORA:
+        raise ValueError(f"adapter: {path!r} holds a {config.peft_type.value} adapter; tether continues LoRA "
+                         "adapters only.")
+    # The adapter keeps PEFT's float32 factors over a bfloat16 base (autocast_adapter_dtype).
+    return peft.PeftModel.from_pretrained(base, directory, is_trainable=True)
+
+
+def adapter_digest(policy: nn.Module) -> str:
+    """SHA-256 of the adapter's trainable tensors as loaded (names, shapes and values)."""
+    digest = hashlib.sha256()
+    for name, param in policy.named_parameters():
+        if param.requires_grad:
+            digest.update(f"{name}:{list(param.shape)};".encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,163 @@
+"""Config ergonomics: did-you-mean, TRL ``GRPOConfig`` names, registry-backed choices, and the
+CLI's one-line user errors (status 2, no traceback)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tether.train.cli import main
+from tether.train.config import TrainConfig, config_choices
+from tether.train.trl_names import TRL_NAMES, TRLNameNote, translate
+
+
+def test_unknown_key_suggests_the_closest_field_or_trl_name():
+    with pytest.raises(ValueError, match=r"unknown key 'lerning_rate'; did you mean 'learning_rate'\?"):
+        TrainConfig().override({"lerning_rate": "1e-3"})
+    with pytest.raises(ValueError, match=r"'num_generation'; did you mean 'num_generations' \(TRL's name for group_size\)"):
+        TrainConfig.from_dict({"num_generation": 4})
+    with pytest.raises(ValueError, match=r"unknown key 'qqqq' \(no close match; `tether train --help`"):
+        TrainConfig().override({"qqqq": 1})
+
+
+def test_trl_names_map_to_tether_fields_with_one_note_each():
+    """Each TRL value below read by hand through TRL's GRPOConfig docs: beta is the k3 KL
+    coefficient (kl_coef), loss_type=dr_grpo divides by a constant (max_new_tokens) per answer
+    (seq-mean-token-sum-norm), scale_rewards=False centres without dividing by std (dr_grpo)."""
+    trl = {"beta": 0.04, "num_generations": 8, "max_completion_length": 64, "epsilon": 0.2,
+           "epsilon_high": 0.28, "loss_type": "dr_grpo", "scale_rewards": False, "bf16": True,
+           "max_steps": 5, "per_device_train_batch_size": 16, "save_steps": 2, "use_cpu": "true"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = TrainConfig().override(trl)
+    expected = dict(kl_coef=0.04, group_size=8, max_new_tokens=64, clip_epsilon=0.2, clip_epsilon_high=0.28,
+                    aggregation="seq-mean-token-sum-norm", advantage="dr_grpo", dtype="bfloat16", steps=5,
+                    micro_batch_size=16, checkpoint_every=2, device="cpu")
+    assert {k: getattr(cfg, k) for k in expected} == expected
+    notes = [str(w.message) for w in caught if issubclass(w.category, TRLNameNote)]
+    assert len(notes) == len(trl) and all("\n" not in n for n in notes)
+    assert any(n.startswith("TRL's beta=0.04 read as kl_coef=0.04") for n in notes)
+    cfg.validate()
+
+
+def test_trl_names_in_a_yaml_file(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("beta: 0.1\nnum_generations: 4\nloss_type: grpo\nlearning_rate: 1.0e-5\n")
+    with pytest.warns(TRLNameNote):
+        cfg = TrainConfig.from_yaml(path)
+    assert (cfg.kl_coef, cfg.group_size, cfg.aggregation, cfg.learning_rate) == (0.1, 4, "seq-mean-token-mean", 1e-5)
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"fp16": True}, r"fp16 \(a TRL GRPOConfig name\) has no tether equivalent: .*dtype=bfloat16"),
+    ({"gradient_accumulation_steps": 4}, "no tether equivalent: .*prompts_per_step and micro_batch_size"),
+    ({"top_p": 0.9}, "no tether equivalent: .*only temperature"),
+    ({"loss_type": "cispo"}, r"loss_type \(TRL, -> aggregation\): expected one of \['bnpo', 'dapo', 'dr_grpo', 'grpo'\]"),
+    ({"scale_rewards": "batch"}, "scale_rewards .*got 'batch'"),
+    ({"beta": 0.1, "kl_coef": 0.2}, r"beta \(TRL name for kl_coef\) and kl_coef both given; keep one"),
+    ({"bf16": True, "torch_dtype": "float32"}, "and bf16 both given|and torch_dtype both given"),
+    ({"num_generations": "eight"}, r"group_size \(TRL's num_generations\): expected int, got 'eight'"),
+])
+def test_trl_names_without_equivalent_or_bad_values_are_explained(values, match):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TRLNameNote)  # no note for a mapping that was refused
+        with pytest.raises(ValueError, match=match):
+            TrainConfig().override(values)
+
+
+def test_a_trl_name_for_a_field_this_build_lacks_says_so():
+    """A mapping may point at a key another part of tether adds; until then it is named, not dropped."""
+    out = translate({"num_iterations": 2}, fields={"steps"})
+    assert out.values == {} and out.notes == []
+    assert out.problems == ["num_iterations (TRL) corresponds to tether's updates_per_rollout, which this tether "
+                            "version lacks"]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in TRL_NAMES.items() if e.target is not None))
+def test_every_mapping_lands_on_a_field_and_a_registered_value(name):
+    entry, fields = TRL_NAMES[name], set(TrainConfig.field_names())
+    assert name not in fields  # a TRL name that is already a tether key needs no entry
+    if entry.target not in fields:
+        pytest.skip(f"{entry.target} is added by another part of issue #13")
+    table = config_choices().get(entry.target)
+    if entry.values is not None and table is not None:
+        assert set(entry.values.values()) <= set(table), (name, set(entry.values.values()) - set(table))
+
+
+def test_choices_are_read_from_the_registries(monkeypatch):
+    """A name added to a registry is a valid config value with no edit to config.py."""
+    choices = config_choices()
+    assert set(choices) >= {"aggregation", "advantage", "kl_mode", "kl_estimator", "kl_controller", "kl_signal",
+                            "reference_update", "dtype", "device"}
+    for field, table in choices.items():
+        monkeypatch.setitem(table, "zz-new", object())
+        extra = {"kl_mode": "reward"} if field == "kl_estimator" else {}  # loss mode needs k2/k3
+        TrainConfig(**{field: "zz-new", **extra}).validate()
+        with pytest.raises(ValueError, match=rf"{field}='zz-missing' is not supported; choose one of: .*'zz-new'"):
+            TrainConfig(**{field: "zz-missing", **extra}).validate()
+
+
+# ------------------------------------------------------------------ the CLI's one-line errors
+def _one_line_error(capsys, argv: list[str]) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from inside parse_args
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line and "TRLNameNote" not in line]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_cli_user_errors_are_one_line_with_status_2(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "run"), "--quiet"]
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("steps: [1,\n")
+    typo_yaml = tmp_path / "typo.yaml"
+    typo_yaml.write_text("stepz: 3\n")
+    cases = [
+        (["train", "--config", str(tmp_path / "absent.yaml"), *out], "absent.yaml: cannot read the config file"),
+        (["train", "--task", "no-such-task", *out], "task: expected a registered task"),
+        (["train", "--config", str(bad_yaml), *out], "bad.yaml: not valid YAML"),
+        (["train", "--config", str(typo_yaml), *out], "typo.yaml: config: unknown key 'stepz'; did you mean 'steps'?"),
+        (["train", *out, "lerning_rate=1e-3"], "unknown key 'lerning_rate'; did you mean 'learning_rate'?"),
+        (["train", "--lerning-rate", "1e-3", *out], "unrecognized arguments: --lerning-rate; did you mean --learning-rate?"),
+        (["train", "--fp16", *out], "fp16 (a TRL GRPOConfig name) has no tether equivalent"),
+        (["train", "--dtype", "float16", *out], "dtype='float16' is not supported; choose one of: 'float32', 'bfloat16'"),
+        (["train", "--model", str(tmp_path / "no-dir"), *out], "no such directory; check the path"),
+        (["train", "--model", "tiny", "--adapter", str(tmp_path), *out], "adapter: expected a directory holding a PEFT"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["train", "--model", "tiny", "--device", "cuda", *out], "device='cuda' but torch"))
+    for argv, fragment in cases:
+        line = _one_line_error(capsys, argv)
+        assert fragment in line, (argv, line)
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_takes_trl_flags_and_underscore_spellings(tmp_path, monkeypatch):
+    """``--beta``, a bare ``--bf16`` and ``--learning_rate`` reach the config as tether keys."""
+    seen = {}
+
+    def fake_train(cfg, **_):
+        seen["cfg"] = cfg
+        return {}
+
+    monkeypatch.setattr("tether.train.recipe.train", fake_train)
+    with pytest.warns(TRLNameNote) as notes:
+        code = main(["train", "--model", "tiny", "--beta", "0.05", "--bf16", "--learning_rate", "3e-4",
+                     "--num_generations", "3", "--out", str(tmp_path / "r"), "--quiet"])
+    assert code == 0
+    cfg = seen["cfg"]
+    assert (cfg.kl_coef, cfg.dtype, cfg.learning_rate, cfg.group_size) == (0.05, "bfloat16", 3e-4, 3)
+    assert len(notes) == 3  # beta, bf16, num_generations; learning_rate is tether's own key
+
+
+def test_the_readme_lists_every_trl_name():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Coming from TRL"):readme.index("## Layout")]
+    missing = [name for name in TRL_NAMES if f"`{name}`" not in section]
+    assert not missing, f"README's 'Coming from TRL' table lacks {missing}"
