@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections import ChainMap
 import warnings
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
@@ -207,6 +208,9 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
+# importance_correction's extra name next to the registry's: off.
+_NO_CORRECTION: dict[str, None] = {"none": None}
+
 KL_MODES: dict[str, str] = {
     "loss": "gradient-correct KL term (kl_estimator) in the loss",
     "reward": "k1 per-token penalty in the reward, with reward-to-go",
@@ -227,7 +231,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
             "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
-            "ratio_level": RATIO_LEVELS, "importance_correction": {"none": None, **IMPORTANCE_WEIGHT_MODES},
+            "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),
             "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS}
 
 
