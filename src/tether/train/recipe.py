@@ -27,22 +27,19 @@ import torch
 from tqdm import tqdm
 
 from tether.control import make_kl_controller
-from tether.llm import chat_batch
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.objectives import GRPOLoss, GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
 from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
+from tether.train.data import check_data, check_prompt_format, dataset_task, prompt_batch
 from tether.train.evaluate import evaluate
 from tether.train.metrics import MetricsLog, plot_metrics
 from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe_checkpoints, open_checkpoint,
                                   start_new_run, write_config)
 from tether.train.setup import build_models, reference_scorer
+from tether.train.rewards import RewardError, Scores, build_scorer, samples_from_batch
 from tether.train.tasks import Problem, Task, load_task
-
-
-class RewardError(ValueError):
-    """A task's reward function raised or returned a non-finite value for a sample."""
 
 
 class NonFiniteUpdateError(ValueError):
@@ -55,7 +52,7 @@ class Run:
 
     cfg: TrainConfig
     dir: Path
-    task: Task
+    task: Any  # a Task, or a tether.train.data.DatasetTask with --dataset
     held_out: list[Problem]
     excluded: set[str]
     models: Any
@@ -69,6 +66,7 @@ class Run:
     generator: torch.Generator
     metrics: MetricsLog
     workers: Any = None  # tether.ray.RolloutPool when cfg.workers > 0, else rollouts run in-process
+    scorer: Any = None  # tether.train.rewards: the task's reward, or --reward-funcs / --reward-model
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -78,13 +76,16 @@ def build_run(cfg: TrainConfig) -> Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    task = load_task(cfg.task)
+    task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
     held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
     tok = models.tokenizer
+    check_prompt_format(cfg.prompt_format, tok, cfg.model)
+    scorer = build_scorer(cfg, task, next(models.policy.parameters()).device)
     generator = torch.Generator().manual_seed(cfg.seed)
     sampler = TransformersWrapper(
-        models.policy, tok, generate=True, temperature=cfg.temperature,
+        models.policy, tok, input_mode="history" if cfg.prompt_format == "chat" else "text",
+        generate=True, temperature=cfg.temperature,
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
     )
     actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
@@ -116,7 +117,7 @@ def build_run(cfg: TrainConfig) -> Run:
         workers = start_workers(cfg)
     return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
                loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
-               workers=workers)
+               workers=workers, scorer=scorer)
 
 
 # ------------------------------------------------------------------------------ one step
@@ -131,34 +132,24 @@ def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
         # reference log-probs through the shared ReferenceService while they are at it.
         chats = [p.chat for p in repeated]
         return run.workers.rollout(run.models.policy, chats, step, reference_updater=run.ref_updater), repeated
-    batch = chat_batch([p.chat for p in repeated], key=("history", "prompt"))
+    batch = prompt_batch(repeated, cfg.prompt_format)
     with torch.no_grad():
         run.sampler(batch)
     return batch, repeated
 
 
-def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Task rewards ``[B]`` and correctness ``[B]``; a failing reward names its sample."""
-    answers = batch.get(("text", "response")).tolist()
-    rewards, correct = [], []
-    for i, (answer, problem) in enumerate(zip(answers, problems)):
-        try:
-            raw = run.task.reward(answer, problem)
-        except Exception as exc:  # the user's reward code: report which sample broke it
-            raise RewardError(
-                f"task {run.task.name!r}: reward raised {type(exc).__name__}: {exc} at step {step}, "
-                f"sample {i} (prompt {problem.chat[-1]['content']!r}, answer {answer!r}). "
-                f"Fix the reward function. {describe_checkpoints(run.dir)}"
-            ) from exc
-        value = run.task.reward_value(raw)
-        if not math.isfinite(value):
-            raise RewardError(
-                f"task {run.task.name!r}: reward returned {value} at step {step}, sample {i} "
-                f"(prompt {problem.chat[-1]['content']!r}, answer {answer!r}); rewards must be finite."
-            )
-        rewards.append(value)
-        correct.append(float(run.task.correct_value(run.task.is_correct(answer, problem))))
-    return torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct)
+def score_batch(run: Run, batch, problems: list[Problem], step: int) -> Scores:
+    """The step's rewards ``[B]``, correctness and per-function values; a failing reward names its sample."""
+    try:
+        return run.scorer.score(samples_from_batch(batch, problems), where=f"step {step + 1}")
+    except RewardError as exc:
+        raise RewardError(f"{exc} {describe_checkpoints(run.dir)}") from exc
+
+
+def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rewards ``[B]`` and correctness ``[B]`` (None when the task defines none) of ``score_batch``."""
+    scores = score_batch(run, batch, problems, step)
+    return scores.total, scores.correct
 
 
 def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
@@ -227,7 +218,8 @@ def optimize(run: Run, batch, step: int | None = None) -> dict[str, float]:
 def train_step(run: Run, step: int) -> dict[str, Any]:
     start = time.perf_counter()
     batch, problems = rollout(run, step)
-    rewards, correct = score_rewards(run, batch, problems, step)
+    scores = score_batch(run, batch, problems, step)
+    rewards = scores.total
     kl_seq = add_advantages(run, batch, rewards)
     opt = optimize(run, batch, step)
     if run.ref_updater is not None:
@@ -240,7 +232,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "step": step + 1,
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
-        "accuracy": float(correct.mean()),
+        **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
+        **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
         "kl_per_seq": float(kl_seq.mean()),
         "kl_per_token": float(kl_seq.sum() / mask.sum().clamp(min=1)),
         "kl_coef": kl_coef_used,
@@ -283,6 +276,7 @@ def _restore(run: Run) -> tuple[int, dict[str, Any]]:
     run.controller.load_state_dict(ckpt.state["controller"])
     if run.ref_updater is not None and ckpt.state.get("reference_updater"):
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
+    check_data(ckpt.state, run.task, ckpt.path)
     run.metrics.truncate_after(ckpt.step)
     write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
     return ckpt.step, ckpt.state
@@ -305,17 +299,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             before = state["eval_before"]
         else:
             start_new_run(cfg)
-            before = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
-                              max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                              with_kl=False).as_dict()
+            before = _evaluate(run, None, with_kl=False)
             start = 0
-        extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint)}
+        extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
+                 "data": getattr(run.task, "fingerprint", None)}
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
                    disable=not progress, dynamic_ncols=True)
         for step in bar:
             record = train_step(run, step)
             run.metrics.append(record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record.get('accuracy', math.nan):.2f}",
                             kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
             done = step + 1
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
@@ -324,8 +317,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 return {"stopped_at": done}
         if run.workers is not None:
             run.workers.shutdown()  # the final evaluation runs in-process; free the Ray actors first
-        after = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
-                         max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature).as_dict()
+        after = _evaluate(run, run.models.reference)
         summary = _summary(run, before, after, time.perf_counter() - wall)
         (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_metrics(run.dir)
@@ -333,6 +325,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     finally:
         if run.workers is not None:
             run.workers.shutdown()  # also when a step raised: the actors hold the cluster's CPUs
+
+
+def _evaluate(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:
+    """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict."""
+    return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
+                    max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature, with_kl=with_kl,
+                    scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
 
 
 def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:
@@ -345,7 +344,11 @@ def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, A
         "steps": run.cfg.steps,
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
-        "accuracy_gain_points": 100 * (after["accuracy"] - before["accuracy"]),
+        "accuracy_gain_points": None if after["accuracy"] is None else 100 * (after["accuracy"] - before["accuracy"]),
+        "reward_before": before.get("reward"),
+        "reward_after": after.get("reward"),
+        **{f"reward/{name}_{when}": value for when, result in (("before", before), ("after", after))
+           for name, value in result.get("rewards", {}).items()},
         "eval_kl_per_token": after["kl_per_token"],
         "eval_kl_per_seq": after["kl_per_seq"],
         "final_train_kl_per_seq": final_kl,

@@ -47,6 +47,8 @@ class Problem:
     chat: Chat
     answer: str
     key: str  # identity used to keep evaluation problems out of the training stream
+    columns: dict[str, Any] = field(default_factory=dict)  # what reward functions get besides the texts
+    text: str | None = None  # the raw prompt of --prompt-format text (chat is then its one user turn)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ def _arithmetic_problem(rng: random.Random) -> Problem:
         a, b = max(a, b), min(a, b)
         op, value = "-", a - b
     question = f"What is {a} {op} {b}?"
-    return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}")
+    return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}",
+                   columns={"answer": str(value)})
 
 
 def _arithmetic_correct(response: str, problem: Problem) -> bool:
