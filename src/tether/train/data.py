@@ -80,6 +80,8 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
         if reader is None:
             raise ValueError(f"{argument}: {path} has the suffix {source.suffix!r}, expected one of "
                              f"{sorted(_READERS)} or a saved dataset directory; convert the file or rename it.")
+        if source.stat().st_size == 0:  # datasets raises a bare StopIteration on an empty file
+            raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
         try:
             loaded = getattr(datasets.Dataset, reader)(str(source), keep_in_memory=True)
         except Exception as exc:  # datasets wraps parse errors in its own types; the cause names the fault
