@@ -259,3 +259,11 @@ def test_eval_of_a_run_with_reward_funcs_needs_trust(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "run"), "--trust-task-code"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["n"] == 2 and result["accuracy"] is None and set(result["rewards"]) == {"odd_share", "level_bonus"}
+
+
+def test_a_task_file_that_raises_is_named_like_a_reward_file(tmp_path):
+    from tether.train.tasks import load_task
+
+    (tmp_path / "t.py").write_text("import no_such_module\n")
+    with pytest.raises(ValueError, match=r"task: running .*t.py raised ModuleNotFoundError: No module named 'no_such_module'"):
+        load_task(str(tmp_path / "t.py"))

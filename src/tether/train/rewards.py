@@ -23,7 +23,6 @@ or a non-finite number raises ``RewardError`` naming the function, its file and 
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import reprlib
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tether.train.tasks import Problem, Task
+from tether.train.tasks import Problem, Task, load_user_module
 
 _RESERVED = ("prompts", "completions", "completion_ids")
 _RM_BATCH = 16
@@ -189,12 +188,7 @@ def _checked_values(func: RewardFunction, out: Any, n: int, samples: Samples, wh
 def load_reward_funcs(path: str) -> list[RewardFunction]:
     """The file's ``REWARD_FUNCS``, or every public function defined in it, in order."""
     file = Path(path)
-    spec = importlib.util.spec_from_file_location(f"tether_user_rewards_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ValueError(f"reward_funcs: running {path} raised {type(exc).__name__}: {exc}; fix the file.") from exc
+    module = load_user_module(file, "reward_funcs")
     chosen = getattr(module, "REWARD_FUNCS", None)
     if chosen is None:
         chosen = [v for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_")

@@ -158,6 +158,17 @@ def arithmetic() -> Task:
 TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic}
 
 
+def load_user_module(path: Path, argument: str) -> Any:
+    """Run the user's Python file ``path`` (named by the config key ``argument``) as a module."""
+    spec = importlib.util.spec_from_file_location(f"tether_user_{argument}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: one line naming the file, not a traceback
+        raise ValueError(f"{argument}: running {path} raised {type(exc).__name__}: {exc}; fix the file.") from exc
+    return module
+
+
 def load_task(name_or_path: str) -> Task:
     """A registered task by name, or the ``TASK`` / ``make_task()`` of a Python file."""
     if name_or_path in TASKS:
@@ -167,9 +178,7 @@ def load_task(name_or_path: str) -> Task:
         raise ValueError(
             f"task: expected one of {sorted(TASKS)} or a path to a .py file, got {name_or_path!r}."
         )
-    spec = importlib.util.spec_from_file_location(f"tether_user_task_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_user_module(path, "task")
     task = getattr(module, "TASK", None)
     if task is None and callable(getattr(module, "make_task", None)):
         task = module.make_task()
