@@ -10,7 +10,7 @@ them with ``--reward-weights`` (format first, then correctness).
 import re
 
 _INTEGER = re.compile(r"-?\d+")
-_BARE_NUMBER = re.compile(r"\s*-?\d+\.?\s*")
+_ENDS_IN_NUMBER = re.compile(r"[^\n]{0,40}?-?\d+\.?\s*")
 
 
 def _text(completion):
@@ -18,8 +18,8 @@ def _text(completion):
 
 
 def format_reward(prompts, completions, **kwargs):
-    """1.0 when the reply is a bare number, as the system prompt asks, else 0.0."""
-    return [1.0 if _BARE_NUMBER.fullmatch(_text(c)) else 0.0 for c in completions]
+    """1.0 when the reply is one short line (at most about 40 characters) ending in a number, else 0.0."""
+    return [1.0 if _ENDS_IN_NUMBER.fullmatch(_text(c).strip()) else 0.0 for c in completions]
 
 
 def correctness_reward(prompts, completions, answer, **kwargs):

@@ -143,7 +143,12 @@ def score_batch(run: Run, batch, problems: list[Problem], step: int) -> Scores:
     try:
         return run.scorer.score(samples_from_batch(batch, problems), where=f"step {step + 1}")
     except RewardError as exc:
-        raise RewardError(f"{exc} {describe_checkpoints(run.dir)}") from exc
+        raise _with_checkpoints(run, exc) from exc
+
+
+def _with_checkpoints(run: Run, exc: RewardError) -> RewardError:
+    """``exc`` followed by what the run directory holds to resume from."""
+    return RewardError(f"{exc} {describe_checkpoints(run.dir)}")
 
 
 def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -329,9 +334,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
 
 def _evaluate(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:
     """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict."""
-    return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
-                    max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature, with_kl=with_kl,
-                    scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
+    try:
+        return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
+                        max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
+                        with_kl=with_kl, scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
+    except RewardError as exc:
+        raise _with_checkpoints(run, exc) from exc
 
 
 def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:
