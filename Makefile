@@ -33,7 +33,9 @@ $(BENCH_STAMP): pyproject.toml Makefile
 	touch $(BENCH_STAMP)
 
 train: install
-	$(VENV)/bin/tether train
+	# make train re-runs the main job: it replaces the run in runs/train (tether train alone refuses
+	# a directory that holds a run; pass --out DIR to keep several).
+	$(VENV)/bin/tether train --overwrite
 
 test: install
 	$(PY) -m pytest -q

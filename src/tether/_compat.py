@@ -3,9 +3,10 @@
 Everything here leans on something a dependency does not promise to keep: the layout of
 ``transformers``' ``DynamicCache`` (its ``layers`` with ``keys``/``values``, the
 ``ddp_cache_data`` constructor argument, ``batch_select_indices``), the quantizer bookkeeping
-that GGUF loading leaves on a model, and Ray's ``ENABLE_RAY_CLUSTER`` start-up flag. Keeping
-them together means a dependency upgrade is checked in one file, and ``TESTED`` (mirrored by
-the upper bounds in ``pyproject.toml``) says which releases that file was checked against.
+that GGUF loading leaves on a model, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its
+resolution of a bootstrap address. Keeping them together means a dependency upgrade is
+checked in one file, and ``TESTED`` (mirrored by the upper bounds in ``pyproject.toml``)
+says which releases that file was checked against.
 ``version_problems()`` lists installed releases outside those ranges; importing tether warns
 about them once, and the test suite fails on them with the same message.
 """
@@ -141,3 +142,14 @@ def ray_cluster_mode_off() -> Iterator[None]:
     with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False, create=True):
         yield
 
+
+def ray_dial_address(address: str) -> str | None:
+    """The ``host:port`` that ``ray.init(address=address)`` connects to (None: it would start a cluster).
+
+    Ray resolves ``"auto"`` to the cluster recorded on this machine and replaces a loopback
+    host by the machine's routable address; tether probes that address before connecting,
+    because ``ray.init`` retries an address with nothing behind it for ever.
+    """
+    from ray._private import services
+
+    return services.canonicalize_bootstrap_address(address)

@@ -11,6 +11,7 @@ from tether.control import (
     KL_CONTROLLERS,
     AdaptiveKLController,
     ConstantKLController,
+    TargetKLController,
     make_kl_controller,
 )
 
@@ -229,9 +230,10 @@ def test_load_state_dict_refuses_wrong_keys():
 
 
 def test_registry_builds_by_name_and_lists_names_on_error():
-    assert set(KL_CONTROLLERS) == {"constant", "adaptive"}
+    assert set(KL_CONTROLLERS) == {"constant", "adaptive", "target"}
     ctl = make_kl_controller("adaptive", init_kl_coef=0.15, target=6.0, horizon=1e4)
     assert isinstance(ctl, AdaptiveKLController)
     assert isinstance(make_kl_controller("constant", kl_coef=0.1), ConstantKLController)
-    with pytest.raises(ValueError, match="adaptive.*constant"):
+    assert isinstance(make_kl_controller("target", init_kl_coef=0.2, target=2.0), TargetKLController)
+    with pytest.raises(ValueError, match="adaptive.*constant.*target"):
         make_kl_controller("pid")

@@ -68,10 +68,12 @@ def test_no_mask_at_all_counts_every_position():
     torch.testing.assert_close(td["kl_penalty"], GEN - REF, rtol=0, atol=0)
 
 
-def test_sequence_reward_is_broadcast_per_token():
-    """reward [[1], [2]], coeff 0.5: r - 0.5*k1 on attended tokens, 0 on padding:
-    row0 [0, 1, 0.75, 1.125], row1 [2, 2.5, 1.75, 2]."""
-    td = KLComputation(coeff=0.5)(batch(reward=torch.tensor([[1.0], [2.0]], dtype=torch.float64)))
+@pytest.mark.parametrize("shape", [(2, 1), (2, 1, 1)])
+def test_sequence_reward_is_broadcast_per_token(shape):
+    """reward [[1], [2]] (or [[[1]], [[2]]], the seed tests' [B, 1, 1]), coeff 0.5: r - 0.5*k1
+    on attended tokens, 0 on padding: row0 [0, 1, 0.75, 1.125], row1 [2, 2.5, 1.75, 2]."""
+    reward = torch.tensor([1.0, 2.0], dtype=torch.float64).reshape(shape)
+    td = KLComputation(coeff=0.5)(batch(reward=reward))
     expected = torch.tensor([[0.0, 1.0, 0.75, 1.125], [2.0, 2.5, 1.75, 2.0]], dtype=torch.float64)
     assert td["reward"].shape == (2, 4, 1)
     torch.testing.assert_close(td["reward"].squeeze(-1), expected, rtol=0, atol=0)
@@ -181,6 +183,9 @@ def test_nested_row_length_mismatch_and_layout_mismatch():
 def test_bad_reward_and_mask_shapes():
     with pytest.raises(ValueError, match=r"reward.*\[2, 4\]"):
         KLComputation()(batch(reward=torch.ones(2, 4)))
+    with pytest.raises(ValueError, match=r"\[2, 4, 1\] per token .* got \[2, 3, 1\]\. Give one reward per sequence") as err:
+        KLComputation()(batch(reward=torch.ones(2, 3, 1)))
+    assert "trailing singleton" not in str(err.value)
     td = batch()
     td["masks", "all_assistant_mask"] = ASST[:, :3]
     with pytest.raises(ValueError, match="all_assistant_mask.*shape"):

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 
 from tests.helpers import CHATML, make_tiny_model, make_tokenizer
 from tests.llm.naive import MULTI_TURN, PROMPTS, naive_logprobs, rows, token_rows
-from tether.llm import RetrieveLogProb, chat_batch
+from tether.llm import KLRewardTransform, RetrieveKL, RetrieveLogProb, chat_batch
 from tether.models import TransformersWrapper
 from tether.models.batch_io import write_objects
 
@@ -76,7 +76,7 @@ def test_scores_the_tokens_already_in_the_batch(setup, layout):
     history is not re-rendered: the history here says something else entirely."""
     tok, model = setup
     id_rows = [torch.tensor(tok(t)["input_ids"]) for t in ["abcde", "xy", "hello world"]]
-    asst_rows = [torch.arange(len(r)) >= 2 for r in id_rows]
+    asst_rows = [torch.arange(len(r)) >= 1 for r in id_rows]  # "xy" keeps one assistant token
     td = TensorDict(batch_size=[3])
     write_objects(td, ("history", "full"), [[{"role": "user", "content": "unrelated"}]] * 3)
     if layout == "nested":
@@ -136,16 +136,17 @@ def test_detach_false_keeps_the_gradient_of_the_naive_computation(setup):
 
 
 def test_text_mode_scores_through_the_wrapper(setup):
-    """Text input: the wrapper locates the response after ("text", "prompt"); values match."""
+    """Text input (assistant_only=False, as text carries no assistant turns): the wrapper
+    locates the response after ("text", "prompt") and writes its mask; every token is scored."""
     tok, model = setup
     td = TensorDict(batch_size=[2])
     write_objects(td, ("text", "prompt"), ["Q: 1+1?\nA:", "hello"])
     write_objects(td, ("text", "full"), ["Q: 1+1?\nA: 2", "hello world"])
-    td = RetrieveLogProb(scorer(tok, model, input_mode="text"))(td)
+    td = RetrieveLogProb(scorer(tok, model, input_mode="text"), assistant_only=False)(td)
     asst = rows(td, ("masks", "all_assistant_mask"))
     assert [tok.decode(i[a]) for i, a in zip(token_rows(td), asst)] == [" 2", " world"]
-    for ids, a, lp in zip(token_rows(td), asst, rows(td, ("log_probs", "full"))):
-        torch.testing.assert_close(lp, torch.where(a, naive_logprobs(model, ids), 0.0), rtol=0, atol=1e-10)
+    for ids, lp in zip(token_rows(td), rows(td, ("log_probs", "full"))):
+        torch.testing.assert_close(lp, naive_logprobs(model, ids), rtol=0, atol=1e-10)
 
 
 def test_tokenizer_kwargs_reach_the_chat_template():
@@ -156,11 +157,26 @@ def test_tokenizer_kwargs_reach_the_chat_template():
     assert tok.decode(token_rows(td)[0]).startswith("HEY<|im_start|>user")
 
 
+@pytest.mark.parametrize("input_mode", ["text", "tokens"])
+def test_assistant_only_with_text_or_tokens_is_refused_at_construction(setup, input_mode):
+    """TorchRL refuses this at construction, where the user can fix it; so does tether (it used
+    to fail only at call time with a KeyError). RetrieveKL and KLRewardTransform pass it on."""
+    tok, model = setup
+    pattern = rf"assistant_only=True needs a model with input_mode='history'.*got input_mode='{input_mode}'.*assistant_only=False"
+    with pytest.raises(ValueError, match=pattern):
+        RetrieveLogProb(scorer(tok, model, input_mode=input_mode))
+    reference = scorer(tok, model, input_mode=input_mode, log_probs_key="ref_log_probs")
+    with pytest.raises(ValueError, match=pattern):
+        RetrieveKL(None, reference)
+    with pytest.raises(ValueError, match=pattern):
+        KLRewardTransform(reference)
+
+
 def test_assistant_only_without_a_mask_is_refused(setup):
     tok, model = setup
     ids = torch.tensor([tok("abc")["input_ids"]])
-    td = TensorDict({("tokens", "full"): ids}, batch_size=[1])
-    module = RetrieveLogProb(scorer(tok, model, input_mode="tokens"))
+    td = TensorDict({("tokens", "full"): ids, ("masks", "all_attention_mask"): ids > -1}, batch_size=[1])
+    module = RetrieveLogProb(scorer(tok, model))
     with pytest.raises(KeyError, match="all_assistant_mask.*assistant_only=False"):
         module(td)
     out = RetrieveLogProb(scorer(tok, model, input_mode="tokens"), assistant_only=False)(td)

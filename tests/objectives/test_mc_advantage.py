@@ -242,6 +242,6 @@ def test_missing_keys_and_aliases():
     with pytest.raises(KeyError, match=r"done.*missing.*Present keys"):
         MCAdvantage(2).add(td)
     mc = MCAdvantage(2)
-    assert mc._inv_call(steps(["a"], [1])) is None and mc.inv(steps(["a"], [0])) is not None
-    td = steps(["a"], [1])
-    assert mc(td) is td
+    assert mc._inv_call(steps(["a"], [1])) is None
+    td = mc.inv(steps(["a"], [0]))
+    assert td is not None and mc(td) is td

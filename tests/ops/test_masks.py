@@ -15,6 +15,7 @@ from tether.ops import (
     mask_from_lengths,
     nested_to_padded,
     padded_to_nested,
+    ragged_dim_of,
     response_mask,
     truncate_at_first_eos,
 )
@@ -170,10 +171,31 @@ def test_strided_nested_and_jagged_with_holes_are_accepted():
     assert out.values.tolist() == [[0.0, 0.0, 1.0], [4.0, 5.0, 6.0]]
 
 
+def test_ragged_dim_after_a_singleton_dim_round_trips():
+    """Rows shaped [1, n_b, 1] (per-step token rewards of a lazy stack) stack to a jagged
+    [2, 1, j, 1] ragged at dim 2. Padding puts row b's entries at [b, 0, :n_b, 0]: rows
+    [0, 1, 2] and [10, 11, 12, 13, 14] give [[0, 1, 2, 0, 0], [10, 11, 12, 13, 14]]
+    (left: [[0, 0, 0, 1, 2], ...]), and padded_to_nested(ragged_dim=2) gives the rows back."""
+    rows = [torch.arange(3.0).reshape(1, 3, 1), (10 + torch.arange(5.0)).reshape(1, 5, 1)]
+    nested = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    assert nested.shape[:2] == (2, 1) and ragged_dim_of(nested) == 2
+    right = nested_to_padded(nested)
+    assert right.values.shape == (2, 1, 5, 1)
+    assert right.values[:, 0, :, 0].tolist() == [[0, 1, 2, 0, 0], [10, 11, 12, 13, 14]]
+    assert right.mask.tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+    left = nested_to_padded(nested, padding_side="left")
+    assert left.values[0, 0, :, 0].tolist() == [0, 0, 0, 1, 2]
+    back = padded_to_nested(right.values, right.mask, ragged_dim=2)
+    assert ragged_dim_of(back) == 2
+    assert all(torch.equal(a, b) for a, b in zip(back.unbind(), rows))
+
+
 def test_layout_errors():
     mask = torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"x must be \[B, T, ...\] with \[B, T\] = \(2, 3\); got \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"x must have B = 2 at dim 0 and T = 3 at dim 1 .*; got \(2, 4\)"):
         padded_to_nested(torch.zeros(2, 4), mask)
+    with pytest.raises(ValueError, match=r"ragged_dim must be an int in \[1, x.dim\(\) - 1\]; got 2"):
+        padded_to_nested(torch.zeros(2, 3), mask, ragged_dim=2)
     with pytest.raises(TypeError, match=r"mask must be a bool tensor"):
         padded_to_nested(torch.zeros(2, 3), mask.long())
     with pytest.raises(TypeError, match=r"x must be a nested tensor"):

@@ -62,3 +62,24 @@ def policy_scorer(seed: int = 0) -> TransformersWrapper:
 def broken_scorer() -> TransformersWrapper:
     """A factory that fails inside the actor, as a missing model file would."""
     raise FileNotFoundError("no such model: /nonexistent/reference")
+
+
+class PickyScorer(TransformersWrapper):
+    """A reference scorer whose ``score`` fails on any batch holding ``bad_token`` under the mask,
+    as a model fails on an input only it cannot take (the service's arrival checks pass it)."""
+
+    def __init__(self, *args, bad_token: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bad_token = bad_token
+
+    def score(self, tokens, attention_mask, **kwargs):
+        if (tokens[attention_mask.bool()] == self.bad_token).any():
+            raise RuntimeError(f"cannot score token {self.bad_token}")
+        return super().score(tokens, attention_mask, **kwargs)
+
+
+def picky_scorer(bad_token: int) -> PickyScorer:
+    """The float64 reference of ``reference_scorer`` wrapped in a ``PickyScorer``."""
+    tok = make_tokenizer()
+    return PickyScorer(make_tiny_model(tok, dtype=torch.float64, seed=1), tok, generate=False,
+                       log_probs_key="ref_log_probs", bad_token=bad_token)

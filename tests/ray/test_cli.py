@@ -1,9 +1,12 @@
 """``tether train --workers 2`` as a user runs it: a fresh process that starts its own local Ray
-cluster and must leave no Ray process behind. No ``ray_cluster`` fixture here on purpose."""
+cluster and must leave no Ray process behind; given a ``ray_address`` with nothing behind it,
+it fails at once with the reason instead of waiting for ever. No ``ray_cluster`` fixture here
+on purpose."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -76,3 +79,22 @@ def test_cli_train_with_workers_starts_and_stops_its_own_cluster(tmp_path):
     local_rows = MetricsLog(tmp_path / "local" / "metrics.jsonl").read()
     assert [r["step"] for r in cli_rows] == [1, 2]
     assert [list(r) for r in cli_rows] == [list(r) for r in local_rows]
+
+
+def test_cli_train_with_an_unreachable_ray_address_fails_with_the_reason(tmp_path):
+    """``--workers 1 ray_address=127.0.0.1:<free port>``: nothing listens there (nor at the
+    machine's address, where Ray dials for a loopback host), so ``ray.init`` would retry for
+    ever. The run exits non-zero well within the 120 s guard, naming the address and the fix,
+    leaves no process behind and no checkpoint in its run directory."""
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe_socket.getsockname()[1]}"
+    cfg = tiny_cfg(tmp_path / "cli", steps=1, workers=1, checkpoint_every=0, ray_address=address, ray_timeout=10.0)
+    mark = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "tether.train.cli", "train", "--quiet", *overrides(cfg)]
+    done = subprocess.run(cmd, env={**os.environ, _MARK: mark}, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"Ray address '{address}': nothing accepts connections at" in done.stderr, done.stderr
+    assert "ray start --head" in done.stderr
+    assert not marked_pids(mark)
+    assert not list((tmp_path / "cli").glob("checkpoints/*"))

@@ -1,19 +1,37 @@
 """``start_local_cluster``: the cluster tether starts (for these tests and for ``tether train``)
-is reachable on 127.0.0.1 only."""
+is reachable on 127.0.0.1 only; once Ray is shut down, no call of a tether Ray object starts
+another; joining an address with nothing behind it fails within its timeout."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import ray
+import torch
+from tensordict import TensorDict
 
-from tether.ray import start_local_cluster
-from tether.ray._runtime import is_loopback
+from tests.ray.factories import reference_scorer
+from tests.ray.test_workers import tiny_cfg
+from tether.ray import (
+    RayKLRewardTransform,
+    RayNotInitializedError,
+    RayRetrieveKL,
+    ReferenceService,
+    RolloutPool,
+    SamplingSettings,
+    connect_cluster,
+    start_local_cluster,
+)
+from tether.ray._runtime import is_loopback, probe
+from tether.train.distributed import start_workers
+from tether.train.setup import build_models
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
@@ -81,3 +99,99 @@ def test_a_second_start_is_refused_and_hosts_are_classified():
         start_local_cluster(0)
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "[::ffff:127.0.0.1]", "localhost"]))
     assert not any(map(is_loopback, ["*", "0.0.0.0", "[::]", "192.0.2.2", "fd00::2", "example.org"]))
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 with nothing listening on it (bound, then released)."""
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        return probe_socket.getsockname()[1]
+
+
+def entry_points(pool, transform, pending, cfg) -> dict[str, Callable[[], object]]:
+    """Every public call of tether's Ray objects that talks to Ray, by the name its error gives."""
+    service, client = pool.service, pool.client
+    tokens, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.bool)
+    batch = TensorDict({"reward": torch.zeros(1, 1)}, batch_size=[1])
+    policy = build_models(cfg).policy
+    return {
+        "ReferenceClient.score": lambda: client.score(tokens, mask),
+        "ReferenceClient.submit": lambda: client.submit(tokens, mask),
+        "ReferenceClient.send": lambda: client.send(pending.request),
+        "PendingScore.reply": pending.reply,
+        "RayKLRewardTransform.kl_coef": lambda: transform.kl_coef,
+        "RayKLRewardTransform.kl_coef ": lambda: setattr(transform, "kl_coef", 0.5),  # the setter
+        "RayKLRewardTransform.forward": lambda: transform(batch),
+        "ReferenceService.stats": service.stats,
+        "ReferenceService.info": service.info,
+        "ReferenceService.flush": service.flush,
+        "ReferenceService.forward_calls": service.forward_calls,
+        "ReferenceService.load_weights": lambda: service.load_weights({}),
+        "RolloutPool.rollout": lambda: pool.rollout(policy, [[{"role": "user", "content": "1+1"}]] * 2, 0),
+        "RolloutPool.push_weights": lambda: pool.push_weights(policy),
+        "RolloutPool.sync_reference": lambda: pool.sync_reference(None),
+        "ReferenceService": lambda: ReferenceService(ref_model_factory=reference_scorer),
+        "RayRetrieveKL": lambda: RayRetrieveKL(ref_model_factory=reference_scorer),
+        "RolloutPool": lambda: RolloutPool(num_workers=1, policy_factory=None, service=service,
+                                           settings=SamplingSettings(), seed=0, group_size=2),
+    }
+
+
+def test_after_ray_shutdown_every_call_refuses_and_no_cluster_starts(tmp_path):
+    """A rollout pool (service, client, one worker), a KL transform and a request in flight are
+    built on the session cluster, then ``ray.shutdown()``. Each call that would reach Ray raises
+    ``RayNotInitializedError`` naming that call and the fix (Ray's own call would start a new
+    cluster listening on the machine's address); the ``shutdown()`` methods do nothing, since the
+    actors ended with the connection. Joining a loopback address with nothing behind it fails at
+    once with the reason. Afterwards Ray is still not initialised, no process joined the ones
+    this test's process had, and none of them listens off the loopback. The session cluster is
+    started again at the end, for the tests after this one."""
+    cfg = tiny_cfg(tmp_path, workers=1)
+    pool = start_workers(cfg)
+    transform = RayKLRewardTransform(ref_model_factory=reference_scorer, num_cpus=0)
+    pending = pool.client.submit(torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.bool))
+    calls = entry_points(pool, transform, pending, cfg)
+    try:
+        ray.shutdown()
+        before = descendants(os.getpid())
+        for name, call in calls.items():
+            fix = r"Ray is not initialised.*start_local_cluster\(num_cpus=2\).*ray\.init\(address="
+            with pytest.raises(RayNotInitializedError, match=rf"^{re.escape(name.strip())}: {fix}"):
+                call()
+            assert not ray.is_initialized(), name
+        for owner in (transform, pool, pool.service):
+            owner.shutdown()
+        address = f"127.0.0.1:{free_loopback_port()}"
+        with pytest.raises(ConnectionError, match=rf"Ray address '{address}': nothing accepts connections"):
+            connect_cluster(address, timeout_s=5)
+        with pytest.raises(ValueError, match="address: expected HOST:PORT.*start_local_cluster"):
+            connect_cluster("local", timeout_s=5)
+        assert not ray.is_initialized()
+        started = descendants(os.getpid()) - before
+        assert not started, f"processes started after ray.shutdown(): {started}"
+        if shutil.which("ss") is not None:
+            ours = descendants(os.getpid()) | {os.getpid()}
+            assert not [(host, pids) for host, pids in listening_sockets() if pids & ours and not is_loopback(host)]
+    finally:
+        if ray.is_initialized():  # a call that did start a cluster: not the session's
+            ray.shutdown()
+        start_local_cluster(2)
+
+
+def test_a_probe_of_an_address_that_never_answers_gives_up_after_its_timeout():
+    """A loopback listener whose accept queue is full drops further connection attempts, so a
+    connect would wait for the kernel's retries (minutes); the probe stops after 0.5 s."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        clients = [socket.socket() for _ in range(3)]
+        for client in clients:
+            client.setblocking(False)
+            client.connect_ex(("127.0.0.1", port))
+        try:
+            with pytest.raises(TimeoutError, match=rf"cluster: no answer from 127.0.0.1:{port}.*after 0.5 s"):
+                probe("127.0.0.1", port, 0.5, "cluster")
+        finally:
+            for client in clients:
+                client.close()

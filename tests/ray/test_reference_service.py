@@ -1,6 +1,8 @@
 """ReferenceService: concurrent callers share one batched forward pass and get their own rows;
 a service killed with a request queued comes back and scores every request exactly once, with
-the right values; a service that cannot be placed times out with the reason."""
+the right values; a request the forward pass would fail on is refused alone while its
+batch-mates are answered; a service that cannot be placed, or does not answer, times out with
+the reason."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tests.llm.naive import MULTI_TURN, PROMPTS
 from tests.ray import factories
 from tests.ray.factories import reference_scorer
 from tether.llm import chat_batch
-from tether.ray import ReferenceClient, ReferenceService
+from tether.ray import ReferenceClient, ReferenceService, ScoreRequest
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
@@ -162,6 +164,87 @@ def test_a_service_that_cannot_be_placed_times_out_with_the_reason():
         ReferenceService(ref_model_factory=reference_scorer, num_cpus=64, ready_timeout_s=1)
 
 
+def test_a_request_with_ids_past_the_vocabulary_fails_alone():
+    """Three Ray tasks send requests A, B, C of one group (9 rows) at once; B holds the id V, one
+    past the reference's vocabulary of V ids, at an unmasked position. B alone fails, with a
+    ValueError naming the bound [0, V) and the bad id's row and position. B's rows count as
+    arrived, so A and C are scored together in the group's one forward pass without waiting out
+    max_wait_ms (120 s), and equal local scoring (1e-6). A's masked-out position holding -100 is
+    never scored, so it is accepted. Malformed requests that bypass the client's checks are
+    refused by the service with a TypeError."""
+    vocab = reference_scorer().model.get_input_embeddings().num_embeddings
+    requests = distinct_requests("ABC")
+    tokens_a, mask_a = (t.clone() for t in requests["A"])
+    tokens_a[~mask_a] = -100
+    tokens_b, mask_b = (t.clone() for t in requests["B"])
+    row, col = 1, int(mask_b[1].nonzero()[-1])
+    tokens_b[row, col] = vocab
+    sent = {"A": (tokens_a, mask_a), "B": (tokens_b, mask_b), "C": requests["C"]}
+    service = ReferenceService(ref_model_factory=reference_scorer, max_wait_ms=120_000)
+    try:
+        client = service.client()
+        refs = {n: group_member.options(num_cpus=0.25).remote(client, *sent[n], n) for n in "ABC"}
+        bad = rf"request 'B': token ids under the mask must lie in \[0, {vocab}\).*at row {row}, position {col}"
+        with pytest.raises(ValueError, match=bad):
+            ray.get(refs["B"], timeout=60)
+        replies = {n: ray.get(refs[n], timeout=60) for n in "AC"}
+        assert [replies[n].forward_index for n in "AC"] == [1, 1] and service.forward_calls() == 1
+        for name, reply in replies.items():
+            torch.testing.assert_close(reply.log_probs, local_log_probs(*requests[name]), rtol=0, atol=1e-6)
+        assert sorted(service.stats().answered_ids) == ["A", "C"]  # B was never queued
+
+        float_mask = ScoreRequest("float-mask", tokens_a, mask_a.double())
+        with pytest.raises(TypeError, match="a bool mask.*mask.bool"):
+            ray.get(client.send(float_mask), timeout=60)
+        with pytest.raises(TypeError, match="request: expected a tether.ray.ScoreRequest.*got str"):
+            ray.get(service.actor.score.remote("tokens"), timeout=60)
+    finally:
+        service.shutdown()
+
+
+def test_a_batch_whose_forward_fails_is_scored_again_request_by_request():
+    """A scorer that fails on one token id (valid, so the arrival checks pass it): A and C are
+    clean, B holds that id; the three form one group, so one joint forward pass, which fails.
+    The service then scores each alone: B gets the scorer's error, A and C their log-probs
+    (equal to local scoring, 1e-6) from the first and second successful passes."""
+    requests = distinct_requests("ABC")
+    clean = {int(i) for n in "AC" for i in requests[n][0][requests[n][1]]}
+    bad_token = min({int(i) for i in requests["B"][0][requests["B"][1]]} - clean)  # "B" itself, say
+    service = ReferenceService(ref_model_factory=functools.partial(factories.picky_scorer, bad_token),
+                               max_wait_ms=120_000)
+    try:
+        client = service.client()
+        pending = {n: client.submit(*requests[n], request_id=n, group="g", group_rows=9) for n in "ABC"}
+        with pytest.raises(RuntimeError, match=f"cannot score token {bad_token}"):
+            pending["B"].reply(timeout_s=60)
+        replies = {n: pending[n].reply(timeout_s=60) for n in "AC"}
+        assert [replies[n].forward_index for n in "AC"] == [1, 2] and service.forward_calls() == 2
+        for name, reply in replies.items():
+            torch.testing.assert_close(reply.log_probs, local_log_probs(*requests[name]), rtol=0, atol=1e-6)
+    finally:
+        service.shutdown()
+
+
+@ray.remote(num_cpus=0.5)
+def group_member(client, tokens, mask, request_id):
+    """A rollout worker sending its part of the 9-row group "g"."""
+    return client.submit(tokens, mask, request_id=request_id, group="g", group_rows=9).reply(timeout_s=120)
+
+
+def test_a_reply_that_never_comes_times_out_with_what_was_awaited():
+    """A group that never fills and max_wait_ms of 120 s: the client's timeout_s (1 s, given to
+    service.client) bounds the wait, and the error names the request and the knob to raise."""
+    tokens, mask = distinct_requests("A")["A"]
+    service = ReferenceService(ref_model_factory=reference_scorer, max_wait_ms=120_000)
+    try:
+        pending = service.client(timeout_s=1).submit(tokens, mask, request_id="lonely", group="g", group_rows=99)
+        with pytest.raises(TimeoutError, match=r"request 'lonely' to the reference service: no answer after 1 s.*timeout_s"):
+            pending.reply()
+        assert service.flush() == 1
+    finally:
+        service.shutdown()
+
+
 def test_request_errors_name_the_argument():
     client = ReferenceClient(actor=None)  # the checks run before anything is sent
     tokens, mask = token_batch(PROMPTS, "left")
@@ -177,6 +260,10 @@ def test_request_errors_name_the_argument():
         client.submit(tokens, mask, group="g", group_rows=2)
     with pytest.raises(ValueError, match="ready_timeout_s: expected a number of seconds > 0"):
         ReferenceService(ref_model_factory=reference_scorer, ready_timeout_s=0)
+    with pytest.raises(ValueError, match="timeout_s: expected a number of seconds > 0 and finite, got inf"):
+        ReferenceService(ref_model_factory=reference_scorer, timeout_s=float("inf"))
+    with pytest.raises(ValueError, match="timeout_s: expected a number of seconds > 0 and finite, got 0"):
+        ReferenceClient(actor=None, timeout_s=0)
     with pytest.raises(ValueError, match="max_wait_ms: expected a number >= 0"):
         ReferenceService(ref_model_factory=reference_scorer, max_wait_ms=-1)
     with pytest.raises(ValueError, match="max_batch_rows: expected an int >= 1 or None"):

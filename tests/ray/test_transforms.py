@@ -4,6 +4,7 @@ a shared coefficient, and construction errors."""
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import ray
@@ -128,6 +129,24 @@ def test_a_failing_factory_is_reported_at_construction():
     """The factory runs in the actor; its error comes back from the constructor, not the first batch."""
     with pytest.raises(ray.exceptions.ActorDiedError, match="FileNotFoundError: no such model"):
         RayKLRewardTransform(ref_model_factory=broken_scorer, num_cpus=0.5)
+
+
+def test_an_actor_that_cannot_be_placed_times_out_and_is_removed():
+    """64 GPUs asked of this cluster (as the README's GPU example on a CPU machine asks for one
+    it lacks): Ray keeps such an actor pending for ever. The constructor gives up after
+    ready_timeout_s, naming the resources asked and free, and kills the actor it created: its
+    name is free again. Timeouts that are not finite numbers > 0 are refused before any actor."""
+    with pytest.raises(TimeoutError, match=r"RayKLRewardTransform: not ready after 1 s.*'num_gpus': 64.0.*free now"):
+        RayKLRewardTransform(ref_model_factory=reference_scorer, num_gpus=64, actor_name="tether-test-gpu",
+                             ready_timeout_s=1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "tether-test-gpu" in ray.util.list_named_actors():
+        time.sleep(0.1)
+    assert "tether-test-gpu" not in ray.util.list_named_actors()
+    with pytest.raises(ValueError, match="timeout_s: expected a number of seconds > 0 and finite, got -1"):
+        RayRetrieveKL(ref_model_factory=reference_scorer, timeout_s=-1)
+    with pytest.raises(ValueError, match="ready_timeout_s: expected a number of seconds > 0 and finite, got nan"):
+        RayKLRewardTransform(ref_model_factory=reference_scorer, ready_timeout_s=float("nan"))
 
 
 @pytest.mark.parametrize("cls", [RayKLRewardTransform, RayRetrieveKL, ReferenceService])

@@ -34,6 +34,25 @@ def test_reference_view_with_labels_replaces_what_follows_the_prompt():
     assert plain.reference_view() is plain
 
 
+def test_labels_equal_to_input_ids_as_torchrl_prompt_data_carries_them():
+    """TorchRL's PromptData sets labels = input_ids (pad ids included). Row 0 (prompt 1, 2;
+    completion 30, 31) in that layout, row 1 (prompt 4) in the Hugging Face layout with
+    completion 8, 9: the reference view is [1, 2, 30, 31] and [4, 8, 9]."""
+    ids = torch.tensor([[1, 2, 30, 31, PAD], [4, PAD, PAD, PAD, PAD]])
+    mask = ids != PAD
+    labels = ids.clone()
+    labels[1] = torch.tensor([LABEL_IGNORE_INDEX, 8, 9, LABEL_IGNORE_INDEX, LABEL_IGNORE_INDEX])
+    ref = PromptBatch.from_tensors(ids, mask, torch.tensor([2, 1]), labels).reference_view()
+    assert ref.input_ids[ref.attention_mask].tolist() == [1, 2, 30, 31, 4, 8, 9]
+    assert ref.attention_mask.sum(-1).tolist() == [4, 3]
+    whole = PromptBatch.from_tensors(ids, mask, torch.tensor([2, 1]), ids.clone()).reference_view()
+    assert whole.input_ids[whole.attention_mask].tolist() == [1, 2, 30, 31, 4]
+    wrong_prompt = ids.clone()
+    wrong_prompt[0, 1] = 99
+    with pytest.raises(ValueError, match=r"labels: rows \[0\] carry label ids on the prompt .* differ from input_ids"):
+        PromptBatch.from_tensors(ids, mask, torch.tensor([2, 1]), wrong_prompt)
+
+
 def test_integer_attention_mask_is_accepted_as_bool():
     ids = torch.tensor([[1, 2, PAD]])
     batch = PromptBatch.from_tensors(ids, torch.tensor([[1, 1, 0]]), torch.tensor([2]))

@@ -125,7 +125,7 @@ def test_log_probs_use_the_sampling_temperature():
     row = generation.generated[b, : len(PROMPTS[b]) + n]
     at_one = token_log_probs(rollout.model, row, len(PROMPTS[b]), 1.0)
     at_sampling = token_log_probs(rollout.model, row, len(PROMPTS[b]), 0.7)
-    recorded = generation.log_probs[b, :n].double()
+    recorded = generation.log_probs[b, :n, 0].double()
     torch.testing.assert_close(recorded, at_sampling, rtol=0, atol=2e-5)
     assert float((recorded - at_one).abs().max()) > 1e-2
 
@@ -139,7 +139,9 @@ def test_generate_unpacks_like_the_seed_and_sampling_agrees_with_scoring():
     generated, log_probs, log_ratio = generation
     assert generated is generation.generated and log_ratio is generation.log_ratio
     mask = generation.response_mask
-    torch.testing.assert_close(log_probs[mask].double(), generation.policy_log_probs[mask].double(),
+    assert log_probs.shape == (*mask.shape, 1)  # the seed's [B, N, 1]; log_ratio stays [B, N]
+    assert log_ratio.shape == mask.shape
+    torch.testing.assert_close(log_probs[mask].squeeze(-1).double(), generation.policy_log_probs[mask].double(),
                                rtol=0, atol=2e-5)
     torch.testing.assert_close(
         log_ratio, (generation.policy_log_probs - generation.ref_log_probs).masked_fill(~mask, 0.0)

@@ -1,10 +1,11 @@
-"""KL coefficient controllers (constant, adaptive) that drive any component with a ``kl_coef``."""
+"""KL coefficient controllers (constant, adaptive, target) that drive any component with a ``kl_coef``."""
 
 from tether.control.controllers import (
     KL_CONTROLLERS,
     AdaptiveKLController,
     ConstantKLController,
     KLController,
+    TargetKLController,
     make_kl_controller,
 )
 
@@ -13,5 +14,6 @@ __all__ = [
     "AdaptiveKLController",
     "ConstantKLController",
     "KLController",
+    "TargetKLController",
     "make_kl_controller",
 ]

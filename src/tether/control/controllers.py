@@ -1,4 +1,5 @@
-"""KL-coefficient controllers: a constant one and the adaptive one of Ziegler et al. (2019).
+"""KL-coefficient controllers: a constant one, the adaptive one of Ziegler et al. (2019), and
+the registry that also names ``TargetKLController`` (``tether.control.target``).
 
 The adaptive rule is the proportional controller of "Fine-Tuning Language Models from Human
 Preferences" (section 2.2, as in openai/lm-human-preferences)::
@@ -26,17 +27,23 @@ keep a reward penalty and a loss term in step.
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Iterable
 from typing import Any, Protocol
 
-import torch
+from tether.control._checks import (
+    check_state_keys,
+    control_targets,
+    mean_sequence_kl,
+    push_coef,
+    real_number,
+)
+from tether.control.target import TargetKLController
 
 __all__ = [
     "KL_CONTROLLERS",
     "AdaptiveKLController",
     "ConstantKLController",
     "KLController",
+    "TargetKLController",
     "make_kl_controller",
 ]
 
@@ -57,134 +64,6 @@ class KLController(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _real(name: str, value: Any, *, minimum: float | None = None, strict: bool = False,
-          allow_inf: bool = False) -> float:
-    """Validates a real-valued argument and returns it as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a real number; got {value!r} of type {type(value).__name__}. "
-            f"Pass a Python float, e.g. {name}=0.1."
-        )
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be finite; got {value}. Pass a finite float.")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        relation = ">" if strict else ">="
-        raise ValueError(
-            f"{name} must be {relation} {minimum}; got {value}. Pass a value {relation} {minimum}."
-        )
-    return value
-
-
-def _control_targets(model: Any) -> tuple[Any, ...]:
-    """Normalises ``model`` (None, one object or a list/tuple) and checks each has ``kl_coef``."""
-    if model is None:
-        return ()
-    targets = tuple(model) if isinstance(model, (list, tuple)) else (model,)
-    for index, target in enumerate(targets):
-        if not hasattr(target, "kl_coef"):
-            where = f"model[{index}]" if isinstance(model, (list, tuple)) else "model"
-            raise TypeError(
-                f"{where} must expose a read/write `kl_coef` attribute; got an object of type "
-                f"{type(target).__name__} without one. Pass the component whose KL term the "
-                f"controller should drive (e.g. a KLRewardTransform or a loss with kl_coef)."
-            )
-    return targets
-
-
-def _push_coef(targets: tuple[Any, ...], coef: float) -> None:
-    """Writes ``coef`` to every driven object, turning a read-only attribute into a clear error."""
-    for target in targets:
-        try:
-            target.kl_coef = coef
-        except AttributeError as err:
-            raise TypeError(
-                f"model.kl_coef of {type(target).__name__} is read-only; the controller needs "
-                f"to write it. Give that class a `kl_coef` setter."
-            ) from err
-
-
-def _positive_count(n_steps: Any) -> int:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps <= 0:
-        raise ValueError(
-            f"n_steps must be a positive int (the number of sequences the KL was measured on); "
-            f"got {n_steps!r}. Pass the batch size in sequences."
-        )
-    return int(n_steps)
-
-
-def _mean_sequence_kl(kl_values: Any, n_steps: int | None) -> tuple[float, int]:
-    """Returns (mean per-sequence KL, number of sequences) from the accepted input forms.
-
-    ``kl_values`` is a 1-D tensor ``[N]`` or a sequence of N numbers (each the KL of one
-    sequence summed over its tokens), or a scalar already averaged over ``n_steps``
-    sequences, in which case ``n_steps`` is required.
-    """
-    if kl_values is None:
-        raise ValueError(
-            "kl_values is required by AdaptiveKLController.update; got None. Pass the "
-            "per-sequence summed KLs of the last batch (a 1-D tensor or list), or their mean "
-            "together with n_steps."
-        )
-    if isinstance(kl_values, torch.Tensor):
-        values = kl_values.detach().to(device="cpu", dtype=torch.float64)
-    elif isinstance(kl_values, numbers.Real) and not isinstance(kl_values, bool):
-        values = torch.tensor(float(kl_values), dtype=torch.float64)
-    elif isinstance(kl_values, Iterable) and not isinstance(kl_values, (str, bytes)):
-        try:
-            # float() takes numbers and one-element tensors alike (e.g. a deque of 0-dim KLs).
-            values = torch.tensor([float(v) for v in kl_values], dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
-                f"kl_values must contain one number per sequence; could not read it as "
-                f"floats ({err}). Pass a 1-D tensor or a list of floats."
-            ) from err
-    else:
-        raise TypeError(
-            f"kl_values must be a 1-D tensor, a sequence of floats or a scalar; got "
-            f"{type(kl_values).__name__}. Pass the per-sequence summed KLs."
-        )
-    if values.dim() > 1:
-        raise ValueError(
-            f"kl_values must hold one KL per sequence (shape [N]); got shape "
-            f"{tuple(values.shape)}. Sum the per-token KL over each sequence's valid tokens "
-            f"first, e.g. (kl * mask).sum(-1)."
-        )
-    if values.dim() == 0:
-        if n_steps is None:
-            raise ValueError(
-                "n_steps is required when kl_values is a scalar mean; got None. Pass the "
-                "number of sequences that mean was taken over."
-            )
-        count = _positive_count(n_steps)
-    else:
-        if values.numel() == 0:
-            raise ValueError("kl_values is empty; expected at least one per-sequence KL.")
-        count = values.numel()
-        if n_steps is not None and _positive_count(n_steps) != count:
-            raise ValueError(
-                f"n_steps={n_steps} disagrees with len(kl_values)={count}; n_steps counts the "
-                f"sequences in kl_values. Omit n_steps when passing one KL per sequence."
-            )
-    mean = float(values.mean())
-    if not math.isfinite(mean):
-        raise ValueError(
-            f"kl_values must be finite; got a mean of {mean}. Check the log-probs for -inf "
-            f"(e.g. a reference model that gives a sampled token zero probability)."
-        )
-    return mean, count
-
-
-def _check_state_keys(state: dict[str, Any], expected: tuple[str, ...], owner: str) -> None:
-    missing = [key for key in expected if key not in state]
-    extra = [key for key in state if key not in expected]
-    if missing or extra:
-        raise KeyError(
-            f"{owner}.load_state_dict expected keys {list(expected)}; missing {missing}, "
-            f"unexpected {extra}. Pass a dict produced by {owner}.state_dict()."
-        )
-
-
 class ConstantKLController:
     """Keeps the KL coefficient fixed, whatever KL it is shown.
 
@@ -195,9 +74,9 @@ class ConstantKLController:
     """
 
     def __init__(self, *, kl_coef: float, model: Any = None) -> None:
-        self._coef = _real("kl_coef", kl_coef, minimum=0.0)
-        self.models = _control_targets(model)
-        _push_coef(self.models, self._coef)
+        self._coef = real_number("kl_coef", kl_coef, minimum=0.0)
+        self.models = control_targets(model)
+        push_coef(self.models, self._coef)
 
     @property
     def kl_coef(self) -> float:
@@ -211,16 +90,16 @@ class ConstantKLController:
         ``kl_values`` and ``n_steps`` are accepted so both controllers share one call site;
         a constant controller does not use them.
         """
-        _push_coef(self.models, self._coef)
+        push_coef(self.models, self._coef)
         return self._coef
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_coef": self._coef}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_state_keys(state, ("kl_coef",), type(self).__name__)
-        self._coef = _real("kl_coef", state["kl_coef"], minimum=0.0)
-        _push_coef(self.models, self._coef)
+        check_state_keys(state, ("kl_coef",), type(self).__name__)
+        self._coef = real_number("kl_coef", state["kl_coef"], minimum=0.0)
+        push_coef(self.models, self._coef)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kl_coef={self._coef})"
@@ -261,16 +140,16 @@ class AdaptiveKLController:
         max_coef: float = math.inf,
     ) -> None:
         self._set_config(init_kl_coef, target, horizon, min_coef, max_coef, "init_kl_coef")
-        self.models = _control_targets(model)
-        _push_coef(self.models, self._coef)
+        self.models = control_targets(model)
+        push_coef(self.models, self._coef)
 
     def _set_config(self, coef: Any, target: Any, horizon: Any, min_coef: Any,
                     max_coef: Any, coef_name: str) -> None:
-        target = _real("target", target, minimum=0.0, strict=True)
-        horizon = _real("horizon", horizon, minimum=0.0, strict=True)
-        min_coef = _real("min_coef", min_coef, minimum=0.0)
-        max_coef = _real("max_coef", max_coef, allow_inf=True)
-        coef = _real(coef_name, coef)
+        target = real_number("target", target, minimum=0.0, strict=True)
+        horizon = real_number("horizon", horizon, minimum=0.0, strict=True)
+        min_coef = real_number("min_coef", min_coef, minimum=0.0)
+        max_coef = real_number("max_coef", max_coef, allow_inf=True)
+        coef = real_number(coef_name, coef)
         if not min_coef <= coef <= max_coef:
             raise ValueError(
                 f"{coef_name} must lie in [min_coef, max_coef] = [{min_coef}, {max_coef}]; "
@@ -294,7 +173,7 @@ class AdaptiveKLController:
                 floats (nats per sequence); or a scalar, their mean, with ``n_steps``.
             n_steps: number of sequences; defaults to ``len(kl_values)``.
         """
-        mean_kl, count = _mean_sequence_kl(kl_values, n_steps)
+        mean_kl, count = mean_sequence_kl(kl_values, n_steps)
         step = count / self.horizon
         if _ERROR_CLIP * step >= 1.0:
             raise ValueError(
@@ -306,7 +185,7 @@ class AdaptiveKLController:
         new_coef = self._coef * (1.0 + error * step)
         # The bounds are part of the configuration (documented), not a stability patch.
         self._coef = min(max(new_coef, self.min_coef), self.max_coef)
-        _push_coef(self.models, self._coef)
+        push_coef(self.models, self._coef)
         return self._coef
 
     def state_dict(self) -> dict[str, Any]:
@@ -319,10 +198,10 @@ class AdaptiveKLController:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_state_keys(state, self._STATE_KEYS, type(self).__name__)
+        check_state_keys(state, self._STATE_KEYS, type(self).__name__)
         self._set_config(state["kl_coef"], state["target"], state["horizon"],
                          state["min_coef"], state["max_coef"], "kl_coef")
-        _push_coef(self.models, self._coef)
+        push_coef(self.models, self._coef)
 
     def __repr__(self) -> str:
         return (
@@ -334,11 +213,12 @@ class AdaptiveKLController:
 KL_CONTROLLERS: dict[str, type] = {
     "constant": ConstantKLController,
     "adaptive": AdaptiveKLController,
+    "target": TargetKLController,
 }
 
 
 def make_kl_controller(name: str, **kwargs: Any) -> KLController:
-    """Builds a controller from its registry name (for configs), e.g. ``"adaptive"``."""
+    """Builds a controller from its registry name (for configs), e.g. ``"target"``."""
     try:
         cls = KL_CONTROLLERS[name]
     except (KeyError, TypeError):

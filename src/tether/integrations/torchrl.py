@@ -1,4 +1,11 @@
-"""Use tether transforms inside TorchRL environments (optional extra: ``pip install "tether[torchrl]"``).
+"""Use tether transforms inside TorchRL environments and replay buffers (optional extra: ``pip install "tether[torchrl]"``).
+
+``as_replay_buffer_transform(MCAdvantage(...))`` returns a TorchRL ``Transform`` for a
+``ReplayBuffer``: a buffer runs a transform's inverse on ``add`` / ``extend`` (where
+``MCAdvantage.add`` groups trajectories and writes advantages) and its forward on
+``sample`` (a no-op). A buffer given ``MCAdvantage`` unwrapped treats it as a plain
+callable whose write path is the identity, so no advantage would ever be written;
+``MCAdvantage.forward`` then raises instead of passing the data on.
 
 ``as_env_transform(KLRewardTransform(...))`` returns a TorchRL ``Transform`` that can be
 appended to a ``TransformedEnv``: at every step it sees the root tensordict (observation,
@@ -20,7 +27,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-__all__ = ["as_env_transform"]
+__all__ = ["as_env_transform", "as_replay_buffer_transform"]
 
 _INSTALL_HINT = (
     "tether.integrations.torchrl needs TorchRL, which is an optional extra; install it with "
@@ -121,3 +128,50 @@ def as_env_transform(transform: Any) -> Any:
             f"{type(transform).__name__}. Build one with KLRewardTransform(actor, ...)."
         )
     return _env_transform_class()(transform)
+
+
+@functools.lru_cache(maxsize=1)
+def _buffer_transform_class() -> type:
+    """Builds the TorchRL ``Transform`` subclass for replay buffers (one class per process)."""
+    Transform, _ = _import_torchrl()
+
+    class MCAdvantageBufferTransform(Transform):
+        """TorchRL ``Transform`` adapter: the buffer's write path runs ``MCAdvantage.add``."""
+
+        def __init__(self, advantage: Any) -> None:
+            super().__init__(in_keys=list(advantage.in_keys), out_keys=list(advantage.out_keys))
+            self.advantage = advantage
+
+        def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
+            return self.advantage.add(tensordict)
+
+        def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+            return self.advantage(tensordict)
+
+        def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
+            return self.advantage(tensordict)
+
+    return MCAdvantageBufferTransform
+
+
+def as_replay_buffer_transform(advantage: Any) -> Any:
+    """Wraps a :class:`tether.objectives.MCAdvantage` as a TorchRL replay-buffer ``Transform``.
+
+    Example::
+
+        rb = ReplayBuffer(storage=LazyStackStorage(64),
+                          transform=as_replay_buffer_transform(MCAdvantage(grpo_size=4)))
+        rb.extend(trajectory)  # queued; a completed group is written with its advantages
+
+    Raises:
+        ImportError: if TorchRL is not installed.
+        TypeError: if ``advantage`` is not an ``MCAdvantage``.
+    """
+    from tether.objectives import MCAdvantage
+
+    if not isinstance(advantage, MCAdvantage):
+        raise TypeError(
+            f"advantage must be a tether.objectives.MCAdvantage; got {type(advantage).__name__}. "
+            "Build one with MCAdvantage(grpo_size=...)."
+        )
+    return _buffer_transform_class()(advantage)

@@ -14,6 +14,24 @@ from tether.ops.registry import lookup
 
 
 
+def check_assistant_rows(assistant: torch.Tensor, source: str) -> None:
+    """Every row of an assistant-only batch must hold at least one assistant token.
+
+    A chat without an assistant turn has an all-False assistant mask: with
+    ``assistant_only=True`` its log-probs (and any KL built on them) would be a row of zeros
+    that silently contributes nothing.
+    """
+    if assistant.numel() == 0 or bool(assistant.any(-1).all()):
+        return
+    empty = (~assistant.any(-1)).nonzero().flatten().tolist()
+    raise ValueError(
+        f"{source}: rows {empty[:8]} (of {assistant.shape[0]}) have no assistant token, e.g. a "
+        "chat without an assistant turn; with assistant_only=True they would score to all-zero "
+        "rows. Add the assistant reply to those chats, drop them from the batch, or pass "
+        "assistant_only=False to score every token."
+    )
+
+
 def check_coef(name: str, value: Any) -> float:
     """A finite, non-negative KL coefficient as a Python float."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -37,6 +55,17 @@ def check_padding_side(value: Any) -> str:
 def check_estimator(value: Any) -> str:
     lookup(KL_ESTIMATORS, value, "estimator")
     return value
+
+
+def check_assistant_only(assistant_only: Any, input_mode: str) -> None:
+    """``assistant_only=True`` needs chats: text and token inputs carry no assistant turns."""
+    if assistant_only and input_mode != "history":
+        raise ValueError(
+            f"assistant_only=True needs a model with input_mode='history' (the assistant mask "
+            f"comes from the chat template), got input_mode={input_mode!r}. Pass "
+            "assistant_only=False to score every token, or build the scorer with "
+            "input_mode='history' (it scores a batch's own tokens and assistant mask when present)."
+        )
 
 
 def check_scorer(model: Any, name: str = "model") -> TransformersWrapper:

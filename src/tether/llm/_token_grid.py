@@ -7,7 +7,7 @@ else to the root; inputs are looked up there first, then at the root.
 
 A per-token entry is either padded (``[B, T]``, laid out like ``("masks",
 "all_attention_mask")`` of the TensorDict holding it) or a jagged nested tensor
-(``[B, j]``). ``TokenGrid`` holds either as a padded grid plus its valid mask, and knows how
+(``[B, j]``); rows of a lazy stack with different lengths read as the latter. ``TokenGrid`` holds either as a padded grid plus its valid mask, and knows how
 to put a grid of new values back in the same layout.
 """
 
@@ -20,6 +20,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key
 from torch import Tensor
 
+from tether.models.batch_io import get_entry
 from tether.ops import nested_to_padded, padded_to_nested
 
 NEXT = "next"
@@ -103,7 +104,7 @@ class TokenGrid:
 
 def read_grid(scope: TensorDictBase, key: NestedKey, mask: Tensor | None = None) -> TokenGrid:
     """Read ``key`` of ``scope`` as a grid; ``mask`` is the valid mask of a padded entry."""
-    value = scope.get(key)
+    value = get_entry(scope, key)
     if not isinstance(value, Tensor):
         raise TypeError(f"{key!r}: expected a per-token tensor, got {type(value).__name__}.")
     if value.is_nested:

@@ -7,7 +7,7 @@ position. A log-prob equal to 0 is a value like any other, never a padding marke
 
 Departures from the TorchRL seed: missing inputs raise a ``KeyError`` naming them and
 listing the keys present (the seed raised ``AttributeError`` while formatting its own
-message); the estimator is selectable; per-sequence rewards ``[B, 1]`` are broadcast over
+message); the estimator is selectable; per-sequence rewards ``[B, 1]`` (or ``[B, 1, 1]``) are broadcast over
 the tokens instead of being refused; the KL is written as ``[B, T]`` in the layout of the
 log-probs rather than as a strided nested tensor; the coefficient is a read/write
 ``kl_coef`` so a controller can drive it.
@@ -34,6 +34,7 @@ from tether.llm._token_grid import (
     read_mask,
     scopes_of,
 )
+from tether.models.batch_io import get_entry
 from tether.ops import kl_estimate, nested_to_padded
 
 __all__ = ["KLComputation"]
@@ -73,7 +74,7 @@ class KLComputation(TensorDictModuleBase):
         padding_side: accepted for the seed's signature; outputs always keep the layout of
             the log-probs (nothing is re-padded here), so it has no effect.
         estimator: one of ``tether.ops.KL_ESTIMATORS`` (``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``).
-        reward_key: the reward read from the output scope, ``[B, 1]`` per sequence or
+        reward_key: the reward read from the output scope, ``[B, 1]`` (or ``[B, 1, 1]``) per sequence or
             ``[B, T, 1]`` (jagged ``[B, j, 1]``) per token.
         out_reward_key: where the adjusted reward goes; default ``reward_key``.
         mask_key: the mask selecting the tokens whose KL counts; default the assistant mask
@@ -173,11 +174,11 @@ class KLComputation(TensorDictModuleBase):
 
     @staticmethod
     def _read(scopes: tuple[TensorDictBase, ...], scope: TensorDictBase, key: NestedKey) -> TokenGrid:
-        value = scope.get(key)
+        value = get_entry(scope, key)
         if not isinstance(value, Tensor) or value.is_nested:
             return read_grid(scope, key)
         mask_scope = find(scopes, ATTENTION_KEY)
-        mask = None if mask_scope is None else mask_scope.get(ATTENTION_KEY)
+        mask = None if mask_scope is None else get_entry(mask_scope, ATTENTION_KEY)
         if mask is not None and (mask.is_nested or mask.shape != value.shape[:2]):
             raise ValueError(
                 f"{ATTENTION_KEY!r}: expected a padded mask of shape {tuple(value.shape[:2])} "
@@ -201,7 +202,7 @@ class KLComputation(TensorDictModuleBase):
 
     def _reward_grid(self, target: TensorDictBase, gen: TokenGrid) -> Tensor:
         """The reward as ``[B, T, 1]`` aligned with the log-probs."""
-        reward = target.get(self.reward_key)
+        reward = get_entry(target, self.reward_key)
         batch, width = gen.valid.shape
         if reward.is_nested:
             if not gen.nested:
@@ -218,16 +219,19 @@ class KLComputation(TensorDictModuleBase):
                 )
             return padded.values.to(gen.values.device)
         reward = reward.to(gen.values.device)
-        if reward.shape == (batch, 1):
-            return torch.where(gen.valid[..., None], reward[:, None, :], 0.0)
+        if reward.shape in ((batch, 1), (batch, 1, 1)):
+            return torch.where(gen.valid[..., None], reward.reshape(batch, 1, 1), 0.0)
         if reward.shape == (batch, width, 1) and not gen.nested:
             return reward
-        expected = "[B, 1] or [B, j, 1] (jagged)"
+        expected = "[B, 1] / [B, 1, 1] per sequence or [B, j, 1] (jagged) per token"
         if not gen.nested:
-            expected = f"[B, 1] or [B, T, 1] = {[batch, 1]} or {[batch, width, 1]}"
+            expected = (
+                f"{[batch, 1]} or {[batch, 1, 1]} per sequence, or {[batch, width, 1]} per token "
+                "(one entry per position of the log-probs)"
+            )
         raise ValueError(
-            f"{self.reward_key!r}: expected a reward of shape {expected}, got "
-            f"{list(reward.shape)}. Add the trailing singleton dimension to per-token rewards."
+            f"{self.reward_key!r}: expected a reward of shape {expected}, got {list(reward.shape)}. "
+            "Give one reward per sequence, or one per token laid out like the log-probs."
         )
 
     def extra_repr(self) -> str:

@@ -15,9 +15,10 @@ Which tokens are scored:
   same tokens and masks.
 
 Departures from the TorchRL seed: ``detach`` is honoured (the seed accepted and ignored
-it); ``assistant_only`` works in any input mode when the batch carries an assistant mask
-(the seed demanded history mode); the assistant mask includes each turn's end-of-turn
-token; scoring is padding-free and never builds ``[B, T, V]`` logits.
+it); the assistant mask includes each turn's end-of-turn token; scoring is padding-free and
+never builds ``[B, T, V]`` logits. As in the seed, ``assistant_only=True`` needs a
+history-mode model and is refused at construction otherwise (where the user can fix it),
+although a history-mode scorer also scores a batch's own tokens with its assistant mask.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from tensordict.utils import NestedKey
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from tether.llm._checks import check_padding_side, check_scorer, check_tokenizers
+from tether.llm._checks import (
+    check_assistant_only,
+    check_assistant_rows,
+    check_padding_side,
+    check_scorer,
+    check_tokenizers,
+)
 from tether.llm._token_grid import (
     ASSISTANT_KEY,
     ATTENTION_KEY,
@@ -46,7 +53,7 @@ from tether.llm._token_grid import (
     target_of,
 )
 from tether.models import TransformersWrapper, tokenize_chats
-from tether.models.batch_io import read_chats, read_ragged, write_ragged
+from tether.models.batch_io import get_entry, read_chats, read_ragged, write_ragged
 from tether.ops import padded_to_nested
 
 __all__ = ["RetrieveLogProb"]
@@ -82,8 +89,9 @@ class RetrieveLogProb(TensorDictModuleBase):
     Keyword Args:
         log_probs_full_key: where the log-probs go; default ``(model.log_probs_key, "full")``.
         assistant_only: zero the log-probs outside ``("masks", "all_assistant_mask")``.
-            Needs history input (the mask comes from the chat template) or a batch that
-            already carries the mask; otherwise a ``KeyError`` says so.
+            Needs ``model.input_mode == "history"`` (a ``ValueError`` at construction
+            otherwise); the mask comes from the chat template, or from the batch when it
+            already holds tokens (a ``KeyError`` at call time if it has none).
         tokenizer_kwargs: extra ``apply_chat_template`` arguments (template variables)
             used when chats are rendered here.
         tokenizer: tokenizer rendering the chats; default ``model.tokenizer``. Must share
@@ -115,6 +123,7 @@ class RetrieveLogProb(TensorDictModuleBase):
     ) -> None:
         super().__init__()
         self.model = check_scorer(model)
+        check_assistant_only(assistant_only, model.input_mode)
         default_key = (model.log_probs_key, "full")
         self.log_probs_full_key = as_key("log_probs_full_key", log_probs_full_key or default_key)
         if tokenizer is not None:
@@ -166,11 +175,13 @@ class RetrieveLogProb(TensorDictModuleBase):
                 f"none. Present keys: {present_keys((td,))}. Score chats with "
                 "input_mode='history', add the mask to the batch, or pass assistant_only=False."
             )
+        if self.assistant_only:
+            check_assistant_rows(scored.assistant, repr(ASSISTANT_KEY))
         return scored
 
     def _score_batch_tokens(self, td: TensorDictBase) -> ScoredBatch:
         ids, mask = read_ragged(td, TOKENS_KEY, ATTENTION_KEY)
-        nested = td.get(TOKENS_KEY).is_nested
+        nested = get_entry(td, TOKENS_KEY).is_nested
         assistant = None
         found = read_ragged(td, ASSISTANT_KEY, ATTENTION_KEY, required=False)
         if found is not None:

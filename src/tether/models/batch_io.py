@@ -4,6 +4,10 @@ Chats and strings are stored as ``NonTensorStack`` entries (one Python object pe
 they follow indexing, stacking and splitting of the TensorDict. Ragged per-token tensors are
 stored either padded (with an explicit ``bool`` mask under ``("masks", ...)``) or as jagged
 nested tensors; ``read_ragged`` turns both into ``(values [B, T], mask [B, T])``.
+
+A lazily stacked TensorDict (what TorchRL collectors produce, one unpadded row per
+sample) refuses a plain ``get`` of rows with different lengths; ``get_entry`` reads those
+entries as jagged nested tensors instead.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
 from torch import Tensor
 
 from tether.models.chat import validate_chats
@@ -31,6 +35,16 @@ def _missing(td: TensorDictBase, key, what: str) -> KeyError:
         f"{key!r}: expected {what} in the input TensorDict, but the key is missing. "
         f"Present keys: {keys}."
     )
+
+
+def get_entry(td: TensorDictBase, key):
+    """``td.get(key)``; rows of a lazy stack with different lengths come back jagged."""
+    if not isinstance(td, LazyStackedTensorDict):
+        return td.get(key)
+    try:
+        return td.get(key)
+    except RuntimeError:
+        return td.get(key, as_nested_tensor=True, layout=torch.jagged)
 
 
 def write_objects(td: TensorDictBase, key, objects: Sequence) -> None:
@@ -72,11 +86,11 @@ def read_ragged(
         if required:
             raise _missing(td, key, "a per-token tensor")
         return None
-    value = td.get(key)
+    value = get_entry(td, key)
     if value.is_nested:
         padded = nested_to_padded(value, padding_side="right")
         return padded.values, padded.mask
-    mask = td.get(mask_key) if mask_key is not None and _present(td, mask_key) else None
+    mask = get_entry(td, mask_key) if mask_key is not None and _present(td, mask_key) else None
     if mask is None:
         mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
     elif mask.shape != value.shape[:2]:

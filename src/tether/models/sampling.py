@@ -25,8 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from tether._compat import new_cache, select_cache_rows
-from tether.models.shared_prefix import first_of_each
-from tether.ops._vocab_checks import check_temperature
+from tether.models._limits import check_fits_model
+from tether.models.score_plan import distinct_rows
+from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,36 @@ def check_sampling_options(
             f"top_p must be None or a number in (0, 1] (the nucleus mass kept); got {top_p!r}. "
             "Use None or 1.0 to keep every token."
         )
+
+
+def check_prompts(prompt_ids: object, prompt_mask: object) -> Tensor:
+    """Refuse prompts the decode loop would answer from padding; return the mask as bool.
+
+    The first sampled token is read off the logits at the last column, so every row must
+    end on a real token: a row with no valid token (an empty prompt) or a right-padded row
+    would be continued from a pad token instead of from its prompt.
+    """
+    check_token_ids("prompt_ids", prompt_ids)
+    mask = check_mask("prompt_mask", prompt_mask)
+    if prompt_ids.dim() != 2 or mask.shape != prompt_ids.shape:
+        raise ValueError(
+            f"prompt_ids/prompt_mask: expected two [B, P] tensors of the same shape, got "
+            f"{tuple(prompt_ids.shape)} and {tuple(mask.shape)}."
+        )
+    if prompt_ids.shape[0] == 0 or (mask.shape[1] > 0 and bool(mask[:, -1].all())):
+        return mask
+    empty = (~mask.any(-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"prompt_mask: rows {empty[:8]} (of {prompt_ids.shape[0]}) have no prompt token; a "
+            "response would be sampled from padding alone. Drop empty prompts from the batch "
+            "or give each at least one token (e.g. the chat template's generation prompt)."
+        )
+    ragged = (~mask[:, -1]).nonzero().flatten().tolist()
+    raise ValueError(
+        f"prompt_mask: rows {ragged[:8]} end on padding; sampling expects left-padded prompts "
+        "(every row's last column a real token). Move the padding to the left."
+    )
 
 
 def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
@@ -117,6 +148,8 @@ def sample_responses(
         generator: torch RNG for reproducible sampling.
     """
     check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
+    prompt_mask = check_prompts(prompt_ids, prompt_mask)
+    check_fits_model(model, prompt_ids, prompt_mask, new_tokens=max_new_tokens, role="prompt_ids")
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
     eos = torch.tensor(sorted(eos_ids), device=device)
@@ -124,9 +157,8 @@ def sample_responses(
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     # GRPO repeats each prompt G times: prefill each distinct prompt once and copy its cache.
     keyed = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
-    distinct, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    share = distinct.shape[0] < batch
-    first = first_of_each(inverse) if share else None
+    first, inverse = distinct_rows(keyed)
+    share = first.shape[0] < batch
     cache = new_cache()
     out = model(
         input_ids=prompt_ids[first] if share else prompt_ids,

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether.models._limits import check_fits_model
 from tether.models.reference import AdapterDisabledReference
+from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
 from tether.ops import (
     TokenStats,
@@ -38,6 +40,7 @@ from tether.ops import (
     token_logprobs,
     token_stats_from_hidden,
 )
+from tether.ops._vocab_checks import check_token_ids
 
 # Most ``rows * longest_row`` tokens per forward pass. Measured on the embedded model on CPU
 # (benchmarks/scoring.py): 1024 scores mixed-length chats about 20 % faster than 4096, which
@@ -103,50 +106,6 @@ def _head_is_linear(model: nn.Module, decoder: nn.Module, head: nn.Module) -> bo
     return bool(torch.allclose(logits, mine, rtol=rtol, atol=rtol * float(mine.abs().max().clamp_min(1e-30))))
 
 
-def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Start index and length of the single run of valid tokens of each row.
-
-    Args:
-        attention_mask: ``bool [B, T]``; each row must be one contiguous run (left, right or
-            no padding).
-
-    Returns:
-        ``(start [B], length [B])``, both ``long``.
-    """
-    mask = attention_mask.bool()
-    lengths = mask.sum(-1)
-    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
-    cols = torch.arange(mask.shape[-1], device=mask.device)
-    rebuilt = (cols >= start[:, None]) & (cols < (start + lengths)[:, None])
-    if not torch.equal(rebuilt, mask):
-        bad = (rebuilt != mask).any(-1).nonzero().flatten().tolist()
-        raise ValueError(
-            f"attention_mask: expected each row to be one contiguous run of valid tokens "
-            f"(left or right padding), but rows {bad[:8]} have holes. Remove the interior "
-            "padding or score those rows separately."
-        )
-    return start, lengths
-
-
-def plan_micro_batches(lengths: Tensor, token_budget: int) -> list[Tensor]:
-    """Group row indices, longest first, so each group's padded size fits the budget.
-
-    A row longer than the budget gets a group of its own. Returns index tensors whose
-    concatenation is a permutation of ``range(B)``.
-    """
-    order = torch.argsort(lengths, descending=True, stable=True)
-    sorted_lengths = lengths[order].tolist()
-    groups: list[Tensor] = []
-    begin = 0
-    while begin < len(sorted_lengths):
-        longest = max(sorted_lengths[begin], 1)
-        rows = max(1, token_budget // longest)
-        end = min(len(sorted_lengths), begin + rows)
-        groups.append(order[begin:end])
-        begin = end
-    return groups
-
-
 def score_tokens(
     model: nn.Module,
     tokens: Tensor,
@@ -184,6 +143,8 @@ def score_tokens(
         )
     if token_budget < 1:
         raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    check_token_ids("tokens", tokens)
+    check_fits_model(model, tokens, attention_mask)
     with ExitStack() as stack:
         if isinstance(model, AdapterDisabledReference):
             # The reference shares the policy's weights: score the base model with the adapter
@@ -211,35 +172,6 @@ def _score_shared(model, tokens, attention_mask, temperature, chunk_size, token_
     )
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """One right-padded micro-batch cut out of a ``[B, T]`` batch."""
-
-    ids: Tensor  # long [b, L] on the model's device
-    valid: Tensor  # bool [b, L] on the model's device
-    flat_index: Tensor  # long [n]: row * T + column of each predicted token (t >= 1)
-    keep: Tensor  # bool [b, L - 1]: which predicted positions are real tokens
-
-
-def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int, device) -> list[MicroBatch]:
-    """Cut a padded batch into length-sorted, right-padded micro-batches (see module doc)."""
-    start, lengths = row_spans(attention_mask)
-    width = tokens.shape[-1]
-    out: list[MicroBatch] = []
-    for rows in plan_micro_batches(lengths, token_budget):
-        length = int(lengths[rows].max())
-        if length < 2:
-            continue  # a row of 0 or 1 token has no predicted token
-        cols = torch.arange(length, device=tokens.device)
-        src = (start[rows, None] + cols).clamp(max=width - 1)
-        valid = cols < lengths[rows, None]
-        ids = torch.where(valid, tokens[rows[:, None], src], 0)
-        keep = valid[:, 1:]
-        flat_index = (rows[:, None] * width + src[:, 1:])[keep]
-        out.append(MicroBatch(ids.to(device), valid.to(device), flat_index.to(device), keep.to(device)))
-    return out
-
-
 def _score(
     model: nn.Module,
     tokens: Tensor,
@@ -261,8 +193,8 @@ def _score(
         flat_lp.append(stats.log_probs[mb.keep])
         if with_entropy:
             flat_ent.append(stats.entropy[mb.keep])
-    log_probs = _scatter(flat_index, flat_lp, batch, width, device)
-    entropy = _scatter(flat_index, flat_ent, batch, width, device) if with_entropy else None
+    log_probs = scatter_tokens(flat_index, flat_lp, batch, width, device)
+    entropy = scatter_tokens(flat_index, flat_ent, batch, width, device) if with_entropy else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
 
 
@@ -288,15 +220,27 @@ def exact_kl_tokens(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    where: Tensor | None = None,
 ) -> Tensor:
     """Exact KL(pi(.|x_<t) || pi_ref(.|x_<t)) at every position ``t`` of ``tokens [B, T]``.
 
     Aligned like log-probs: entry ``t`` is the KL of the distributions that predict token
     ``t``; 0 at each row's first token and at padding. Full-vocabulary, never ``[B, T, V]``.
+    ``where`` (``bool [B, T]``, e.g. the assistant mask) limits the vocabulary-wide work to
+    those positions (0 elsewhere): the decoders still read whole rows for the context, but
+    the two heads, the softmaxes and the KL run only where the value is wanted.
     """
+    if where is not None and (where.shape != tokens.shape or where.dtype != torch.bool):
+        raise ValueError(
+            f"where: expected a bool mask of the tokens' shape {tuple(tokens.shape)}, got "
+            f"{where.dtype} {tuple(where.shape)}. Pass e.g. the assistant mask, or None for every position."
+        )
     parts = causal_lm_parts(model)
     device = parts.head.weight.device
     batch, width = tokens.shape
+    check_token_ids("tokens", tokens)
+    check_fits_model(model, tokens, attention_mask)
+    check_fits_model(reference, tokens, attention_mask)
     kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     values: list[Tensor] = []
     index: list[Tensor] = []
@@ -307,14 +251,15 @@ def exact_kl_tokens(
             if isinstance(reference, AdapterDisabledReference):
                 ref = stack.enter_context(reference.disabled())
             ref_hidden, ref_head = _last_hidden(ref, mb.ids, mb.valid)
-        kl = exact_kl_from_hidden(
-            hidden[:, :-1], head.weight, ref_hidden[:, :-1], ref_head.weight,
+        # Kept positions, flattened in the order of mb.flat_index, then narrowed to ``where``.
+        chosen = torch.ones_like(mb.flat_index, dtype=torch.bool) if where is None else where.reshape(-1).to(device)[mb.flat_index]
+        values.append(exact_kl_from_hidden(
+            hidden[:, :-1][mb.keep][chosen], head.weight, ref_hidden[:, :-1][mb.keep][chosen], ref_head.weight,
             temperature=temperature, lm_head_bias=getattr(head, "bias", None),
             ref_lm_head_bias=getattr(ref_head, "bias", None), **kwargs,
-        )
-        values.append(kl[mb.keep])
-        index.append(mb.flat_index)
-    return _scatter(index, values, batch, width, device)
+        ))
+        index.append(mb.flat_index[chosen])
+    return scatter_tokens(index, values, batch, width, device)
 
 
 def _micro_batch_stats(
@@ -344,13 +289,3 @@ def _micro_batch_stats(
     log_probs = token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size)
     entropy = token_entropy(logits, temperature=temperature, chunk_size=chunk_size) if with_entropy else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
-
-
-def _scatter(index: list[Tensor], values: list[Tensor], batch: int, width: int, device) -> Tensor:
-    """Place flat per-token values at flat ``row * width + col`` positions of a zero grid."""
-    if not values:
-        return torch.zeros(batch, width, device=device)
-    flat_values = torch.cat(values)
-    flat_index = torch.cat(index).to(device)
-    grid = flat_values.new_zeros(batch * width)
-    return grid.index_put((flat_index,), flat_values).view(batch, width)

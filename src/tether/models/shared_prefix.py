@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tether._compat import cache_layers, new_cache
+from tether.models.score_plan import first_of_each, plan_equal_length_batches, plan_micro_batches, scatter_tokens
 from tether.ops import TokenStats, token_stats_from_hidden
 
 
@@ -86,14 +87,6 @@ def plan_prefix_split(tokens: Tensor, attention_mask: Tensor, *, min_saving: flo
     return PrefixSplit(width=cut, representatives=first_of_each(group), inverse=group, tokens_saved=total - cost)
 
 
-def first_of_each(group: Tensor) -> Tensor:
-    """Index of the first row holding each group id ``0..U-1`` of ``group [B]`` (``long [U]``)."""
-    count = int(group.max()) + 1
-    rows = torch.arange(group.numel(), device=group.device)
-    first = torch.full((count,), group.numel(), dtype=torch.long, device=group.device)
-    return first.scatter_reduce(0, group, rows, reduce="amin")
-
-
 def _positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -136,19 +129,17 @@ def score_with_shared_prefix(
     hidden_parts: list[Tensor] = []
     kv_parts: list[list[tuple[Tensor, Tensor]]] = []
     order: list[Tensor] = []
-    for length in sorted(set(prefix_len.tolist())):
-        same = (prefix_len == length).nonzero().flatten()
-        for begin in range(0, same.numel(), max(1, token_budget // length)):
-            chunk = same[begin : begin + max(1, token_budget // length)]
-            cache = new_cache()
-            out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
-            layers = cache_layers(cache)
-            if layers is None:
-                return None
-            pad = cut - length
-            hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
-            kv_parts.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in layers])
-            order.append(chunk)
+    for chunk in plan_equal_length_batches(prefix_len, token_budget):
+        length = int(prefix_len[chunk[0]])
+        cache = new_cache()
+        out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
+        layers = cache_layers(cache)
+        if layers is None:
+            return None
+        pad = cut - length
+        hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
+        kv_parts.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in layers])
+        order.append(chunk)
     back = torch.argsort(torch.cat(order))  # chunk order -> representative order
     prefix_hidden = torch.cat(hidden_parts)[back]  # [U, P, H]
     prefix_kv = [
@@ -170,16 +161,11 @@ def score_with_shared_prefix(
 
     # 3. Suffixes on top of their prefix's cache; token P is predicted from the prefix.
     suffix_len = mask[:, cut:].sum(-1)
-    order = torch.argsort(suffix_len, descending=True, stable=True)
-    lengths = suffix_len[order].tolist()
     positions = _positions(mask)
-    with_suffix = sum(1 for n in lengths if n > 0)  # rows ending at column P-1 have none
-    begin = 0
-    while begin < with_suffix:
-        longest = lengths[begin]
-        end = min(with_suffix, begin + max(1, token_budget // longest))
-        rows = order[begin:end]
-        begin = end
+    with_suffix = (suffix_len > 0).nonzero().flatten()  # rows ending at column P-1 have none
+    for group in plan_micro_batches(suffix_len[with_suffix], token_budget):
+        rows = with_suffix[group]
+        longest = int(suffix_len[rows].max())
         which = split.inverse[rows]
         valid = mask[rows, cut : cut + longest]
         ids = tokens[rows, cut : cut + longest].masked_fill(~valid, 0)  # pad ids may be out of range
@@ -198,9 +184,8 @@ def score_with_shared_prefix(
         cols = torch.arange(cut, cut + longest, device=device)
         index.append((rows[:, None] * width + cols[None, :])[valid])
 
-    flat_index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long, device=device)
-    log_probs = _place([v.log_probs for v in values], flat_index, batch, width, device)
-    entropy = _place([v.entropy for v in values], flat_index, batch, width, device) if with_entropy else None
+    log_probs = scatter_tokens(index, [v.log_probs for v in values], batch, width, device)
+    entropy = scatter_tokens(index, [v.entropy for v in values], batch, width, device) if with_entropy else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
 
 
@@ -209,10 +194,3 @@ def _gather_rows(stats: TokenStats, inverse: Tensor, keep: Tensor) -> TokenStats
     log_probs = stats.log_probs[inverse][keep]
     entropy = stats.entropy[inverse][keep] if stats.entropy is not None else None
     return TokenStats(log_probs=log_probs, entropy=entropy)
-
-
-def _place(values: list[Tensor], flat_index: Tensor, batch: int, width: int, device) -> Tensor:
-    if not values:
-        return torch.zeros(batch, width, device=device)
-    flat = torch.cat(values)
-    return flat.new_zeros(batch * width).index_put((flat_index,), flat).view(batch, width)

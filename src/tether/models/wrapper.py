@@ -73,6 +73,20 @@ def _stack_rows(rows: list[Tensor], padding_side: str, fill: int | bool) -> tupl
     return out, mask
 
 
+def _prompt_mask_key(td: TensorDictBase) -> tuple[str, str]:
+    """Where the mask of ``("tokens", "prompt")`` lives.
+
+    ``("masks", "prompt_attention_mask")`` when present; else, before anything was generated
+    (no ``("tokens", "full")``), ``("masks", "all_attention_mask")``, where TorchRL stores
+    the mask of tokens-mode prompts. Without either, every prompt position counts.
+    """
+    keys = td.keys(include_nested=True)
+    if ("masks", "prompt_attention_mask") not in keys and ("tokens", "full") not in keys:
+        if ("masks", "all_attention_mask") in keys:
+            return ("masks", "all_attention_mask")
+    return ("masks", "prompt_attention_mask")
+
+
 class TransformersWrapper(TensorDictModuleBase):
     """Sample from or score with an HF causal LM on TensorDicts.
 
@@ -238,7 +252,7 @@ class TransformersWrapper(TensorDictModuleBase):
         return EncodedBatch(ids=ids, mask=mask, prompt_lengths=prompt_lengths)
 
     def _encode_tokens(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
-        mask_key = ("masks", "all_attention_mask" if stage == "full" else "prompt_attention_mask")
+        mask_key = ("masks", "all_attention_mask") if stage == "full" else _prompt_mask_key(td)
         ids, mask = read_ragged(td, ("tokens", stage), mask_key)
         check_token_ids(repr(("tokens", stage)), ids)
         ids, mask = repack(ids, mask, padding_side)

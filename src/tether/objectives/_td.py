@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
+
+from tether.models.batch_io import get_entry
 
 
 def present(td: TensorDictBase, key: NestedKey) -> bool:
@@ -27,9 +28,4 @@ def fetch(td: TensorDictBase, key: NestedKey, what: str, fix: str = "") -> Any:
     """``td[key]``, jagged for ragged rows of a lazy stack; a ``KeyError`` listing keys if absent."""
     if not present(td, key):
         raise missing(td, key, what, fix)
-    if not isinstance(td, LazyStackedTensorDict):
-        return td.get(key)
-    try:
-        return td.get(key)
-    except RuntimeError:
-        return td.get(key, as_nested_tensor=True, layout=torch.jagged)
+    return get_entry(td, key)

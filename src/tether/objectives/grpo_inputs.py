@@ -148,15 +148,22 @@ def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tok
     )
 
 
+# Where tether.llm.KLRewardTransform writes the reference log-probs (its SPEC-listed key).
+TRANSFORM_REF_LOG_PROB = "ref_log_prob"
+
+
 def _ref_log_probs(td: TensorDictBase, key: NestedKey) -> Tensor:
-    nested = ("next", *((key,) if isinstance(key, str) else key))
-    if not present(td, key) and present(td, "next") and present(td, nested):
-        key = nested
-    if present(td, key):
-        return _fetch(td, key, "the reference log-probs")
+    """The reference log-probs at ``key``, else under ``"next"``; for the default key also
+    where ``tether.llm.KLRewardTransform`` puts them, so its output feeds the loss as is."""
+    candidates = [key, ("next", *((key,) if isinstance(key, str) else key))]
+    if key == GRPOKeys.ref_log_probs:
+        candidates += [TRANSFORM_REF_LOG_PROB, ("next", TRANSFORM_REF_LOG_PROB)]
+    for candidate in candidates:
+        if present(td, candidate):
+            return _fetch(td, candidate, "the reference log-probs")
     raise missing(
-        td, key, "the reference log-probs (also looked up under 'next')",
-        "Add them with tether.llm.RetrieveLogProb / RetrieveKL, or pass kl_to_ref_coeff=None.",
+        td, key, f"the reference log-probs (also looked up under 'next'{', and at ' + repr(candidates[2:]) if len(candidates) > 2 else ''})",
+        "Add them with tether.llm.RetrieveLogProb / RetrieveKL / KLRewardTransform, or pass kl_to_ref_coeff=None.",
     )
 
 

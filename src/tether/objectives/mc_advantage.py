@@ -16,9 +16,20 @@ Departures from the TorchRL seed, and why:
   refused as a whole (the seed only checked the final step of a single trajectory).
 * Prompts may be strings or chats (lists of ``{"role", "content"}`` messages, grouped by a
   hash of their canonical JSON). Anything else raises a ``TypeError`` naming the fix.
+* Every trajectory of an ``add`` call is checked (done flags, prompt, rewards readable as
+  entries) before any is queued: a bad one is refused with an error and nothing already
+  queued is lost (the seed queued it and failed only when its group completed, dropping
+  the whole group).
+* TorchRL's replay buffers call the inverse (write path) only of TorchRL ``Transform``
+  objects; a plain module is wrapped so that its write path does nothing. Wrap this one
+  with ``tether.integrations.torchrl.as_replay_buffer_transform``; ``forward`` raises on
+  data that never went through ``add`` (no advantage) instead of passing it on silently.
 * Advantage modes beyond the z-score (``dr_grpo``, ``rloo``) and reward-to-go for per-token
   rewards (see ``tether.objectives.group_advantage``). Per-token rewards stored padded need
-  their valid-entry mask under ``mask_key``; jagged (nested) rewards carry their own.
+  their valid-entry mask under ``mask_key``; jagged (nested) rewards carry their own, ragged
+  at any dim (steps with rewards ``[1, n, 1]`` stack to ``[L, 1, j, 1]``); a lazy stack of
+  steps holds no padding, so its per-token rewards are all valid when they happen to have
+  equal lengths.
 
 ``compute(rewards, group_ids, mask=None)`` is the vectorised path for a whole batch whose
 groups are known.
@@ -34,13 +45,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
-from tether.objectives._td import fetch
+from tether.objectives._td import fetch, present
 from tether.objectives.group_advantage import check_advantage_options, mc_group_advantages
-from tether.ops import nested_to_padded, padded_to_nested
+from tether.ops import nested_to_padded, padded_to_nested, ragged_dim_of
 
 _LOG = logging.getLogger(__name__)
 
@@ -141,7 +152,19 @@ class MCAdvantage(nn.Module):
         self.queues: defaultdict[str, list[TensorDictBase]] = defaultdict(list)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        """Reading from a buffer changes nothing: the advantage was written by ``add``."""
+        """Reading from a buffer changes nothing: the advantage was written by ``add``.
+
+        Raises a ``KeyError`` when ``td`` holds no advantage: the data never went through
+        ``add`` (e.g. a TorchRL replay buffer given this module unwrapped).
+        """
+        if td.numel() and not present(td, self.advantage_key):
+            raise KeyError(
+                f"{self.advantage_key!r}: MCAdvantage.forward got data without an advantage, so "
+                "it was never passed through add() (the write path). A TorchRL ReplayBuffer only "
+                "calls the write path of TorchRL transforms: pass transform="
+                "tether.integrations.torchrl.as_replay_buffer_transform(MCAdvantage(...)), or "
+                "call add() on complete trajectories yourself."
+            )
         return td
 
     def compute(self, rewards: Tensor, group_ids: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -173,7 +196,11 @@ class MCAdvantage(nn.Module):
         """
         if not isinstance(tensordict, TensorDictBase):
             raise TypeError(f"tensordict: expected a TensorDict, got {type(tensordict).__name__}.")
-        emitted = [group for traj in self._trajectories(tensordict) if (group := self._enqueue(traj)) is not None]
+        # Check every trajectory before queueing any: a bad one must not strand or drop others.
+        keyed = [(self._group_key(traj), traj) for traj in self._trajectories(tensordict)]
+        for _, traj in keyed:
+            self._entries(traj)
+        emitted = [group for key, traj in keyed if (group := self._enqueue(key, traj)) is not None]
         if not emitted:
             return None
         return _jagged_safe(lambda: torch.cat(emitted, 0), "concatenate")
@@ -216,7 +243,7 @@ class MCAdvantage(nn.Module):
         return list(_jagged_safe(lambda: td.split(sizes, 0), "split")) if len(sizes) > 1 else [td]
 
     # ------------------------------------------------------------------ grouping
-    def _enqueue(self, traj: TensorDictBase) -> TensorDictBase | None:
+    def _group_key(self, traj: TensorDictBase) -> str:
         prompt = _require(traj[0], self.prompt_key, "the prompt")
         if isinstance(prompt, (NonTensorData, NonTensorStack)):
             prompt = prompt.tolist()
@@ -226,14 +253,16 @@ class MCAdvantage(nn.Module):
                 f"{sorted(str(k) for k in prompt.keys())}, not at a prompt. Use e.g. "
                 f"prompt_key=('text', 'prompt') or ('history', 'prompt')."
             )
-        key = prompt_group_key(prompt)
-        queue = self.queues[key]
-        queue.append(traj)
-        if len(queue) < self.grpo_size:
+        return prompt_group_key(prompt)
+
+    def _enqueue(self, key: str, traj: TensorDictBase) -> TensorDictBase | None:
+        group = [*self.queues[key], traj]
+        if len(group) < self.grpo_size:
+            self.queues[key].append(traj)
             return None
-        group = list(queue)
+        out = self._with_advantages(group, key)  # if this raises, the queue is as it was
         del self.queues[key]
-        return self._with_advantages(group, key)
+        return out
 
     def _with_advantages(self, group: list[TensorDictBase], key: str) -> TensorDictBase:
         entries = [self._entries(traj) for traj in group]
@@ -256,14 +285,12 @@ class MCAdvantage(nn.Module):
         reward = _require(traj, self.rewards_key, "the rewards")
         steps = traj.shape[0]
         if reward.is_nested:
-            padded = nested_to_padded(reward, padding_side="right")
-            trailing = padded.values.dim() == 3
-            values = padded.values.squeeze(-1) if trailing else padded.values
-
-            def restore(adv: Tensor) -> Tensor:
-                return padded_to_nested(adv.unsqueeze(-1) if trailing else adv, padded.mask)
-
-            return _RewardEntries(values, padded.mask, restore)
+            return self._nested_entries(reward)
+        if self._unpadded_steps(traj, reward):
+            # Steps stacked lazily carry no padding: equal token counts read as a dense grid.
+            values = reward.reshape(steps, -1)
+            ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
+            return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))
         if reward.dim() == 1 or (reward.dim() == 2 and reward.shape[-1] == 1):
             values = reward.reshape(steps, 1)
             ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
@@ -281,3 +308,25 @@ class MCAdvantage(nn.Module):
             f"{self.rewards_key!r}: expected rewards [L], [L, 1], [L, T] or [L, T, 1] per trajectory, "
             f"got shape {tuple(reward.shape)}."
         )
+
+    def _unpadded_steps(self, traj: TensorDictBase, reward: Tensor) -> bool:
+        """A lazy stack of steps, no mask, one token axis: every reward entry is valid."""
+        token_axes = sum(size > 1 for size in reward.shape[1:])
+        return isinstance(traj, LazyStackedTensorDict) and token_axes <= 1 and not present(traj, self.mask_key)
+
+    def _nested_entries(self, reward: Tensor) -> _RewardEntries:
+        """Entries of a jagged reward ``[L, *pre, j, *post]`` whose other dims are singletons."""
+        ragged = ragged_dim_of(reward)
+        padded = nested_to_padded(reward, padding_side="right")
+        steps, width = padded.mask.shape
+        if padded.values.numel() != steps * width:
+            raise ValueError(
+                f"{self.rewards_key!r}: expected one jagged reward entry per token (rows [n], [n, 1] or "
+                f"[1, n, 1]), got rows of shape {tuple(reward.shape[1:])}. Store one reward per token."
+            )
+        shape = padded.values.shape
+
+        def restore(adv: Tensor) -> Tensor:
+            return padded_to_nested(adv.reshape(shape), padded.mask, ragged_dim=ragged)
+
+        return _RewardEntries(padded.values.reshape(steps, width), padded.mask, restore)

@@ -25,6 +25,7 @@ from tether.ops.masks import (
     mask_from_lengths,
     nested_to_padded,
     padded_to_nested,
+    ragged_dim_of,
     response_mask,
     truncate_at_first_eos,
 )

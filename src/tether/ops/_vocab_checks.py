@@ -170,12 +170,12 @@ def check_mask(name: str, mask: object) -> Tensor:
 
 
 def check_labels(
-    labels: object, lead_shape: torch.Size, vocab: int, device: torch.device, source: str
+    labels: object, lead_shape: torch.Size, device: torch.device, source: str
 ) -> Tensor:
-    """Return ``labels`` as int64 after checking dtype, shape ``lead_shape`` and ``[0, V)``.
+    """Return ``labels`` as int64 after checking dtype, shape ``lead_shape`` and device.
 
-    The range check reads one boolean back to the host; it is the price of a clear error
-    instead of an index failure deep inside ``gather``.
+    The value range is checked after the forward, by :func:`check_scored`, together with
+    the positions that have no finite logit: one host read for both.
     """
     check_token_ids("labels", labels)
     if labels.shape != lead_shape:
@@ -188,12 +188,38 @@ def check_labels(
             f"labels is on {labels.device} but {source} is on {device}; "
             f"move labels with .to({source}.device)"
         )
+    return labels.long()
+
+
+def check_scored(
+    labels: Tensor, vocab: int, lse: Tensor, lead_shape: torch.Size, source: str
+) -> None:
+    """Labels in ``[0, V)`` and a finite logit at every position, read back in one sync.
+
+    ``labels`` and ``lse`` (the log-sum-exp of each position) are flat ``[N]``. The forward
+    runs on clamped labels so that an out-of-range id cannot fail inside ``gather`` (a
+    device-side assert on GPU) before this check names it. A log-sum-exp of ``-inf`` means
+    every logit of the position is ``-inf``: no distribution, and NaN log-probs.
+    """
+    no_mass = lse == float("-inf")
+    flag = no_mass.any()
     if labels.numel() > 0:
         low, high = torch.aminmax(labels)
-        if bool((low < 0) | (high >= vocab)):
-            raise ValueError(
-                f"labels must lie in [0, V) = [0, {vocab}), got values in [{int(low)}, "
-                f"{int(high)}]; replace ignore ids such as -100 by any valid id (e.g. 0) "
-                "and mask those positions afterwards"
-            )
-    return labels.long()
+        flag = flag | (low < 0) | (high >= vocab)
+    if not bool(flag):
+        return
+    if labels.numel() > 0 and bool((low < 0) | (high >= vocab)):
+        raise ValueError(
+            f"labels must lie in [0, V) = [0, {vocab}), got values in [{int(low)}, "
+            f"{int(high)}]; replace ignore ids such as -100 by any valid id (e.g. 0) "
+            "and mask those positions afterwards"
+        )
+    flat = no_mass.nonzero().flatten()
+    where = torch.stack(torch.unravel_index(flat[:8], lead_shape), -1).tolist()
+    raise ValueError(
+        f"{source}: the logits at {len(flat)} position(s) are all -inf, e.g. at index "
+        f"{[tuple(w) for w in where]} of {source}.shape[:-1] = {tuple(lead_shape)}; "
+        "softmax(logits / temperature) has no distribution there and the log-probs would be "
+        "NaN. Keep at least one vocabulary entry finite at every position (a vocabulary "
+        "mask or -inf bias removed them all), or leave those positions out."
+    )

@@ -19,12 +19,15 @@ from tether.ops._vocab_checks import chunk_bounds
 
 
 def shift_max_(z: Tensor) -> Tensor:
-    """Subtract each row's max from ``z`` in place and return the max ``[C, 1]``.
+    """Subtract each row's max from ``z`` in place and return the shift ``[C, 1]``.
 
     After the shift every entry is ``<= 0``, so ``exp`` cannot overflow. A row whose
-    logits are all ``-inf`` defines no distribution and comes out NaN.
+    logits are all ``-inf`` is shifted by 0 instead of by its max (``-inf - -inf`` is NaN):
+    it stays all ``-inf``, its ``exp`` sums to 0 and its log-sum-exp is ``-inf``, which is
+    how callers recognise a position without any distribution.
     """
     shift = z.amax(dim=-1, keepdim=True)
+    shift.masked_fill_(shift == float("-inf"), 0.0)
     z.sub_(shift)
     return shift
 
@@ -70,7 +73,9 @@ def chunk_grad(
     ``d log p_y / dz = onehot(y) - p`` and, since ``H = -sum p log p = lse - sum p z``,
     ``dH/dz_j = -p_j (z_j - sum_i p_i z_i) = -p_j (log p_j + H)``.
     Overwrites ``z`` and returns it; ``spare`` (shaped like ``z``) is needed when
-    ``g_ent`` is given.
+    ``g_ent`` is given. A row without any finite logit (``lse = -inf``) has a NaN value and
+    gets a zero gradient, so that masking it out downstream leaves the other rows' gradients
+    finite.
     """
     logp = z.sub_(lse[:, None])
     if g_ent is None:
@@ -84,7 +89,7 @@ def chunk_grad(
         grad = coef.mul_(p).neg_().masked_fill_(p == 0, 0.0)
     if g_lp is not None:
         grad.scatter_add_(1, labels[:, None], g_lp[:, None])
-    return grad
+    return grad.masked_fill_(lse[:, None] == float("-inf"), 0.0)
 
 
 def load_logits(logits: Tensor, temperature: float, out: Tensor) -> Tensor:

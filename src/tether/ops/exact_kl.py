@@ -12,7 +12,10 @@ where ``p`` is 0 (in particular ``-inf`` policy logits, e.g. from a shared vocab
 mask) contribute exactly 0, so ``-inf`` at the same entries on both sides gives no NaN.
 A token where the policy puts mass (``p > 0`` in the compute dtype) on an entry the
 reference forbids (``q == 0``) has KL ``+inf``, the true value; its gradient is then not
-finite and such a token must be masked or its cause fixed.
+finite and such a token must be masked or its cause fixed. That includes a reference row
+of all ``-inf``. A policy row of all ``-inf`` defines no distribution: its KL is NaN and
+its gradient 0, so a masked-out row of that kind leaves the others' gradients finite
+(raising instead would cost a host sync per call, which this function does not have).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def _log_softmax_(z: Tensor, spare: Tensor) -> Tensor:
     """
     shift_max_(z)
     total = torch.exp(z, out=spare).sum(-1, keepdim=True)
-    z.sub_(total.log())
+    # A row of all -inf (total 0) stays all -inf: log q = -inf for every entry.
+    z.sub_(total.log().masked_fill_(total == 0, 0.0))
     return total
 
 
@@ -56,12 +60,17 @@ def _chunk_kl(z: Tensor, y: Tensor, spare: Tensor) -> tuple[Tensor, Tensor, Tens
     Overwrites all three ``[C, V]`` buffers: ``p`` ends in ``spare``, the log-ratio in ``z``.
     """
     _log_softmax_(y, spare)
-    p = spare.div_(_log_softmax_(z, spare))
+    total = _log_softmax_(z, spare)
+    # total >= 1 wherever the row has a finite max (that entry adds exp(0)); a policy row
+    # of all -inf (total 0) defines no distribution: p = 0 there (so its gradient is 0)
+    # and its KL is set to NaN below rather than to a made-up number.
+    p = spare.div_(total.clamp_min(1.0))
     diff = z.sub_(y)
     # Entries with p == 0 hold (-inf) - (-inf) = NaN or -inf - finite; their term is 0.
     # Masking on p == 0 rather than keeping p > 0 lets NaN inputs stay visible as NaN.
     terms = torch.mul(p, diff, out=y).masked_fill_(p == 0, 0.0)
-    return terms.sum(-1), p, diff
+    kl = terms.sum(-1).masked_fill_(total.squeeze(-1) == 0, float("nan"))
+    return kl, p, diff
 
 
 def _chunk_kl_grad(z: Tensor, y: Tensor, spare: Tensor, g: Tensor) -> Tensor:
@@ -212,7 +221,8 @@ def exact_kl(
 
     Returns:
         ``[..., T]`` float32 (float64 if either input is float64), ``>= 0``; ``+inf`` where
-        the policy gives mass to an entry whose reference logit is ``-inf``.
+        the policy gives mass to an entry whose reference logit is ``-inf``; NaN (with a
+        zero gradient) where the policy logits are all ``-inf``.
         Differentiable w.r.t. ``logits`` with ``p * (log p - log q - KL) / T``.
     """
     temperature = check_temperature(temperature)

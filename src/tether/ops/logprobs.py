@@ -7,8 +7,12 @@ tokens ever exists. The ``*_from_hidden`` variants also fold in the ``lm_head`` 
 they never build the full logits in any dtype, which for a vocabulary of 50k-150k is where
 most of the memory of a naive ``lm_head`` + ``log_softmax`` + ``gather`` goes.
 
-The one host synchronisation is the range check on ``labels``: an out-of-range id would
-otherwise surface as an opaque index error (or a device-side assert on GPU).
+The label functions make one host synchronisation, after the forward: it checks that the
+labels lie in ``[0, V)`` (an out-of-range id would otherwise surface as an opaque index
+error, or a device-side assert on GPU) and that no position has all its logits ``-inf``
+(no distribution: NaN log-probs), and raises a ``ValueError`` naming the fault. The
+entropy-only functions make none: there such a position has entropy NaN and a zero
+gradient, so masking it out keeps every other gradient finite.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tether.ops._vocab_checks import (
     check_head,
     check_labels,
     check_logits,
+    check_scored,
     check_temperature,
     compute_dtype,
 )
@@ -71,11 +76,12 @@ class _LogitsStats(torch.autograd.Function):
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        ctx.mark_non_differentiable(lse)
+        return log_probs, entropy, lse
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, _g_lse):
         logits, labels, lse, entropy = ctx.saved_tensors
         if (g_lp is None and g_ent is None) or not ctx.needs_input_grad[0]:
             return None, None, None, None, None
@@ -129,11 +135,12 @@ class _HiddenStats(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        ctx.mark_non_differentiable(lse)
+        return log_probs, entropy, lse
 
     @staticmethod
     @first_order_only
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, _g_lse):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
@@ -167,6 +174,11 @@ class _HiddenStats(torch.autograd.Function):
 # Public API.
 
 
+def _in_vocab(labels: Tensor | None, vocab: int) -> Tensor | None:
+    """Labels clamped into ``[0, V)`` for the kernels; the originals are checked afterwards."""
+    return None if labels is None else labels.clamp(0, vocab - 1)
+
+
 def _stats_from_logits(logits, labels, temperature, chunk_size, want_entropy) -> TokenStats:
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, allow_none=True)
@@ -174,11 +186,13 @@ def _stats_from_logits(logits, labels, temperature, chunk_size, want_entropy) ->
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat_labels = None
     if labels is not None:
-        flat_labels = check_labels(labels, lead, vocab, logits.device, "logits").reshape(-1)
+        flat_labels = check_labels(labels, lead, logits.device, "logits").reshape(-1)
     chunk = chunk_size if chunk_size is not None else max(lead.numel(), 1)
-    log_probs, entropy = _LogitsStats.apply(
-        logits.reshape(-1, vocab), flat_labels, temperature, chunk, want_entropy
+    log_probs, entropy, lse = _LogitsStats.apply(
+        logits.reshape(-1, vocab), _in_vocab(flat_labels, vocab), temperature, chunk, want_entropy
     )
+    if flat_labels is not None:
+        check_scored(flat_labels, vocab, lse, lead, "logits")
     return TokenStats(
         log_probs=None if log_probs is None else log_probs.reshape(lead),
         entropy=None if entropy is None else entropy.reshape(lead),
@@ -201,6 +215,10 @@ def token_logprobs(
     Returns:
         ``[..., T]`` float32 (float64 if ``logits`` are float64). Differentiable w.r.t.
         ``logits``; backward recomputes each chunk rather than saving float32 copies.
+
+    Raises:
+        ValueError: a label outside ``[0, V)``, or a position whose logits are all ``-inf``
+            (it names the position).
     """
     return _stats_from_logits(logits, labels, temperature, chunk_size, False).log_probs
 
@@ -211,7 +229,9 @@ def token_entropy(
     """Entropy ``-sum_v p_v log p_v`` of ``p = softmax(logits / temperature)`` per token.
 
     ``logits`` ``[..., T, V]`` -> ``[..., T]`` float32 (float64 if ``logits`` are float64).
-    Entries with a ``-inf`` logit contribute 0. Differentiable w.r.t. ``logits``.
+    Entries with a ``-inf`` logit contribute 0. Differentiable w.r.t. ``logits``. A
+    position whose logits are all ``-inf`` has no distribution: its entropy is NaN and its
+    gradient 0 (no error: unlike the label functions this one never syncs with the host).
     """
     return _stats_from_logits(logits, None, temperature, chunk_size, True).entropy
 
@@ -225,10 +245,18 @@ def _stats_from_hidden(
     lead, width, vocab = hidden.shape[:-1], hidden.shape[-1], weight.shape[0]
     flat_labels = None
     if labels is not None:
-        flat_labels = check_labels(labels, lead, vocab, hidden.device, "hidden").reshape(-1)
-    log_probs, entropy = _HiddenStats.apply(
-        hidden.reshape(-1, width), weight, bias, flat_labels, temperature, chunk_size, want_entropy
+        flat_labels = check_labels(labels, lead, hidden.device, "hidden").reshape(-1)
+    log_probs, entropy, lse = _HiddenStats.apply(
+        hidden.reshape(-1, width),
+        weight,
+        bias,
+        _in_vocab(flat_labels, vocab),
+        temperature,
+        chunk_size,
+        want_entropy,
     )
+    if flat_labels is not None:
+        check_scored(flat_labels, vocab, lse, lead, "hidden")
     return TokenStats(
         log_probs=None if log_probs is None else log_probs.reshape(lead),
         entropy=None if entropy is None else entropy.reshape(lead),

@@ -10,6 +10,11 @@ rows, gradients flow through ``values``, and empty rows are allowed. (Strided ne
 tensors are still accepted by ``nested_to_padded``, at the cost of a loop over rows.)
 ``padded_to_nested`` keeps a row's valid tokens in order and drops the rest, so a padded
 batch whose mask is one contiguous block per row round-trips exactly on either side.
+
+The ragged dim of a jagged tensor need not be dim 1: stacking rows shaped ``[1, n_b, 1]``
+(per-step token rewards, as TensorDict's lazy stacks return them) gives ``[B, 1, j, 1]``.
+Both directions take the ragged dim into account (``ragged_dim``); the mask is always
+``[B, T]`` over that dim.
 """
 
 from __future__ import annotations
@@ -166,36 +171,52 @@ def truncate_at_first_eos(tokens: Tensor, mask: Tensor, eos_ids: int | Sequence[
     return mask & (ends_before == 0)
 
 
-def padded_to_nested(x: Tensor, mask: Tensor) -> Tensor:
+def padded_to_nested(x: Tensor, mask: Tensor, *, ragged_dim: int = 1) -> Tensor:
     """Jagged nested tensor of each row's valid entries, in order.
 
     Args:
-        x: ``[B, T, ...]`` padded values (any side).
-        mask: ``bool [B, T]`` valid entries.
+        x: ``[B, T, ...]`` padded values (any side); with ``ragged_dim=r``,
+            ``[B, *pre, T, *post]`` with ``T`` at dim ``r``.
+        mask: ``bool [B, T]`` valid entries along the ragged dim.
+        ragged_dim: the dim of ``x`` that becomes jagged (>= 1).
 
     Returns:
-        ``torch.jagged`` nested tensor ``[B, j, ...]`` whose row ``b`` is ``x[b][mask[b]]``;
-        differentiable w.r.t. ``x``.
+        ``torch.jagged`` nested tensor ``[B, *pre, j, *post]`` whose row ``b`` holds the
+        entries of ``x[b]`` where ``mask[b]``; differentiable w.r.t. ``x``.
     """
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
         raise TypeError("mask must be a bool tensor [B, T]; use mask.bool().")
-    if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[:2] != mask.shape:
+    dims = x.dim() if isinstance(x, Tensor) else 0
+    if isinstance(ragged_dim, bool) or not isinstance(ragged_dim, Integral) or not 1 <= ragged_dim < max(dims, 2):
+        raise ValueError(f"ragged_dim must be an int in [1, x.dim() - 1]; got {ragged_dim!r} for {dims} dims.")
+    if dims < 2 or (x.shape[0], x.shape[ragged_dim]) != tuple(mask.shape):
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"x must be [B, T, ...] with [B, T] = {tuple(mask.shape)}; got {got}.")
+        raise ValueError(
+            f"x must have B = {mask.shape[0]} at dim 0 and T = {mask.shape[1]} at dim {ragged_dim} "
+            f"(the mask's [B, T]); got {got}."
+        )
     lengths = mask.sum(dim=-1)
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(dim=0)])
-    return torch.nested.nested_tensor_from_jagged(x[mask], offsets)
+    values = x.movedim(ragged_dim, 1)[mask].movedim(0, ragged_dim - 1)
+    return torch.nested.nested_tensor_from_jagged(values, offsets, jagged_dim=ragged_dim)
+
+
+def ragged_dim_of(x: Tensor) -> int:
+    """The dim along which a jagged nested tensor's rows differ (1 for strided ones)."""
+    # torch exposes no public accessor; every jagged nested tensor carries this index.
+    return int(getattr(x, "_ragged_idx", 1)) if x.layout == torch.jagged else 1
 
 
 def _jagged_parts(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Values ``[N, ...]`` in row order and lengths ``[B]`` of a nested tensor."""
+    """Values ``[N, ...]`` (ragged dim first) in row order and lengths ``[B]`` of a nested tensor."""
     if x.layout == torch.jagged:
         offsets = x.offsets()
         lengths = x.lengths() if x.lengths() is not None else offsets.diff()
         rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
         packed_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(dim=0)[:-1]])
         within = torch.arange(rows.numel(), device=lengths.device) - packed_starts[rows]
-        return x.values()[offsets[rows] + within], lengths
+        values = x.values().movedim(ragged_dim_of(x) - 1, 0)
+        return values[offsets[rows] + within], lengths
     # Strided nested tensors keep one buffer per row: there is no flat view to gather from.
     rows = x.unbind()
     lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.long, device=x.device)
@@ -212,13 +233,16 @@ def nested_to_padded(
     """Padded tensor and mask from a nested tensor ``[B, j, ...]``.
 
     Args:
-        x: nested tensor (jagged, or strided) whose rows are ``[n_b, ...]``.
+        x: nested tensor (jagged, or strided) whose rows are ``[n_b, ...]``; a jagged
+            tensor ragged at dim ``r > 1`` (rows ``[*pre, n_b, *post]``) is padded along
+            that dim.
         padding_value: value written at padded positions.
         padding_side: ``"right"`` or ``"left"``.
         total_length: padded length ``T``; default the longest row. Must be at least that.
 
     Returns:
-        ``Padded(values [B, T, ...], mask bool [B, T])``; differentiable w.r.t. ``x``.
+        ``Padded(values [B, T, ...], mask bool [B, T])`` (values ``[B, *pre, T, *post]``
+        for a ragged dim ``r > 1``); differentiable w.r.t. ``x``.
     """
     if not isinstance(x, Tensor) or not x.is_nested:
         raise TypeError(f"x must be a nested tensor; got {type(x).__name__}. Build one with padded_to_nested.")
@@ -236,4 +260,4 @@ def nested_to_padded(
     mask = mask_from_lengths(lengths, total_length, padding_side=padding_side)
     out = values.new_full((lengths.numel(), total_length, *values.shape[1:]), padding_value)
     out = out.index_put((mask,), values)
-    return Padded(values=out, mask=mask)
+    return Padded(values=out.movedim(1, ragged_dim_of(x)), mask=mask)

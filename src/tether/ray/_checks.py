@@ -1,14 +1,16 @@
-"""Argument checks shared by the Ray transforms and the reference service: which models, how built."""
+"""Argument checks shared by the Ray transforms, the reference service and its client: which
+models and how they are built; what a scoring request may hold."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from tether.llm.retrieve_kl import resolve_reference
 
-__all__ = ["check_model_args"]
+__all__ = ["check_batch", "check_group", "check_model_args", "check_token_range"]
 
 
 def check_model_args(ref_model: Any, ref_model_factory: Any, gen_model: Any = None,
@@ -40,3 +42,58 @@ def check_model_args(ref_model: Any, ref_model_factory: Any, gen_model: Any = No
             )
     if ref_model is not None:
         resolve_reference(ref_model, None)  # type and scoring-mode checks, before shipping it
+
+
+def check_group(group: Any, group_rows: Any, rows: int) -> None:
+    """``group`` / ``group_rows``: both or neither; the group holds at least this request's rows."""
+    if (group is None) != (group_rows is None):
+        raise ValueError(
+            f"group={group!r}, group_rows={group_rows!r}: expected both or neither (the group's name "
+            "and the total rows of its requests)."
+        )
+    if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, int)
+                                   or group_rows < rows):
+        raise ValueError(
+            f"group_rows: expected an int >= this request's {rows} rows (the total of the group), "
+            f"got {group_rows!r}."
+        )
+
+
+def check_batch(tokens: Any, mask: Any) -> None:
+    """``tokens`` integer ``[B, T]`` and ``mask`` bool of the same shape."""
+    if not isinstance(tokens, Tensor) or not isinstance(mask, Tensor):
+        raise TypeError(
+            f"tokens/mask: expected two tensors, got {type(tokens).__name__} and {type(mask).__name__}."
+        )
+    if tokens.ndim != 2 or tokens.shape != mask.shape:
+        raise ValueError(
+            f"tokens/mask: expected two [B, T] tensors of the same shape, got {tuple(tokens.shape)} "
+            f"and {tuple(mask.shape)}. Pass the batch's ('tokens', 'full') and its attention mask."
+        )
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool \
+            or mask.dtype != torch.bool:
+        raise TypeError(
+            f"tokens/mask: expected integer token ids and a bool mask, got {tokens.dtype} and "
+            f"{mask.dtype}. Convert the mask with mask.bool()."
+        )
+
+
+def check_token_range(tokens: Tensor, mask: Tensor, vocab: int | None, what: str) -> None:
+    """Token ids at the mask's positions lie in ``[0, vocab)`` (``vocab`` None: only ``>= 0``).
+
+    Positions outside the mask are never scored, so they may hold anything (e.g. -100).
+    """
+    kept = tokens[mask]
+    if not kept.numel():
+        return
+    low, high = int(kept.min()), int(kept.max())
+    if low >= 0 and (vocab is None or high < vocab):
+        return
+    bad = tokens < 0 if vocab is None else (tokens < 0) | (tokens >= vocab)
+    row, col = (int(i) for i in (bad & mask).nonzero()[0])
+    bound = f"[0, {vocab})" if vocab is not None else "[0, ...)"
+    raise ValueError(
+        f"{what}: token ids under the mask must lie in {bound}, the reference's vocabulary, got ids in "
+        f"[{low}, {high}] (first bad one: {int(tokens[row, col])} at row {row}, position {col}). "
+        "Tokenize with the reference's tokenizer, or mask those positions out."
+    )

@@ -1,10 +1,17 @@
 """Ray plumbing shared by ``tether.ray``: the cluster check, a loopback-only local cluster,
 named actors, resources, devices.
 
-tether never starts a Ray cluster as a side effect of building a transform or a service:
-``require_ray`` raises ``RayNotInitializedError`` with the line to run instead. A cluster is
-started only by an explicit ``start_local_cluster(num_cpus)`` call, which the
-``tether train --workers N`` recipe makes when no ``ray_address`` is given.
+tether never starts a Ray cluster as a side effect of building or using a transform, a
+service or a pool: ``require_ray`` (and the ``needs_ray`` decorator on every method that talks
+to Ray) raises ``RayNotInitializedError`` with the line to run instead, where Ray's own call
+would silently start a fresh cluster. A cluster is started only by an explicit
+``start_local_cluster(num_cpus)`` call, which the ``tether train --workers N`` recipe makes
+when no ``ray_address`` is given.
+
+Every wait on Ray is bounded: ``connect_cluster`` checks within a timeout that something
+listens where Ray will dial (``ray.init`` retries an empty address for ever), and
+``get_within`` / ``wait_ready`` turn Ray's timeout into a ``TimeoutError`` that names what was
+awaited, for how long, and the knob to raise.
 
 ``start_local_cluster`` binds every Ray process to 127.0.0.1. A plain local ``ray.init()``
 does not: on Linux, Ray 2.x takes the machine's routable address as the node address
@@ -16,9 +23,11 @@ it or on all interfaces; ``ray.init(_node_ip_address="127.0.0.1")`` alone does n
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import numbers
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +36,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from tether._compat import ray_cluster_mode_off
+from tether._compat import ray_cluster_mode_off, ray_dial_address
 
 try:
     import ray
@@ -42,8 +51,13 @@ __all__ = [
     "actor_resources",
     "caller_device",
     "check_seconds",
+    "connect_cluster",
     "get_or_create_actor",
+    "get_within",
     "is_loopback",
+    "kill_if_connected",
+    "needs_ray",
+    "probe",
     "place_scorer",
     "remote_device",
     "require_ray",
@@ -66,6 +80,32 @@ def require_ray(what: str) -> None:
             "implicitly. Start a local one first with tether.ray.start_local_cluster(num_cpus=2) "
             "(bound to 127.0.0.1), or join an existing cluster with ray.init(address='HOST:PORT')."
         )
+
+
+def needs_ray(method: Callable) -> Callable:
+    """Run ``require_ray`` before ``method``, naming ``Class.method`` in the error.
+
+    Ray's ``get``, ``put``, ``kill`` and actor calls start a new local cluster when none is
+    connected (listening beyond the loopback); a method decorated here refuses instead.
+    """
+
+    @functools.wraps(method)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        require_ray(f"{type(self).__name__}.{method.__name__}")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+def kill_if_connected(*actors: Any) -> None:
+    """Kill ``actors`` for good; without a Ray connection do nothing.
+
+    Non-detached actors end with the connection that owned them, and ``ray.kill`` without
+    one would start a new local cluster, so a shutdown after ``ray.shutdown()`` is a no-op.
+    """
+    if ray.is_initialized():
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
 
 
 def is_loopback(host: str) -> bool:
@@ -166,32 +206,102 @@ def actor_resources(num_cpus: Any, num_gpus: Any) -> dict[str, float]:
 
 
 def check_seconds(name: str, value: Any) -> float:
-    """A duration in seconds, > 0 (checked before any actor is created, so a typo leaks none)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"{name}: expected a number of seconds > 0, got {value!r}.")
+    """A finite duration in seconds, > 0 (checked before any actor is created, so a typo leaks none)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(f"{name}: expected a number of seconds > 0 and finite, got {value!r}.")
     return float(value)
+
+
+def get_within(refs: Any, *, what: str, timeout_s: float, fix: str | Callable[[], str],
+               on_timeout: Callable[[], None] | None = None, state: str = "no answer") -> Any:
+    """``ray.get(refs)`` bounded by ``timeout_s``; past it a ``TimeoutError``: "``what``: ``state``
+    after ``timeout_s`` s", then ``fix``.
+
+    ``fix`` (or what it returns, computed only on a timeout) says which knob to raise or what
+    to check; ``on_timeout`` runs before the error is raised (to kill actors left hanging).
+    """
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        hint = fix() if callable(fix) else fix
+        if on_timeout is not None:
+            on_timeout()
+        raise TimeoutError(f"{what}: {state} after {timeout_s:g} s. {hint}") from None
 
 
 def wait_ready(refs: list, *, what: str, timeout_s: float, resources: dict[str, float],
                on_timeout: Callable[[], None] | None = None) -> list:
-    """``ray.get(refs)`` of actors' first calls, with a ``TimeoutError`` that says why they may hang.
+    """``get_within`` for actors' first calls: the error says why an actor may never come up.
 
     Ray keeps an actor pending, silently, while the cluster lacks the resources it asked for,
-    so an unbounded wait would hang the caller. ``on_timeout`` runs before the error is raised
-    (to kill the actors that never came up).
+    so an unbounded wait would hang the caller.
     """
     check_seconds("ready_timeout_s", timeout_s)
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
+
+    def fix() -> str:
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        if on_timeout is not None:
-            on_timeout()
+        return (f"Each actor asked for {resources} and the cluster has {free} "
+                "free now; Ray keeps an actor waiting until its resources are free. Use a larger "
+                "cluster or smaller requests, or raise ready_timeout_s if the model is slow to build.")
+
+    return get_within(refs, what=what, timeout_s=timeout_s, fix=fix, on_timeout=on_timeout, state="not ready")
+
+
+def _dial_target(address: str) -> tuple[str, int]:
+    """The host and port ``ray.init(address=address)`` will connect to."""
+    if address.startswith("ray://"):  # Ray Client: its server's address, used as given
+        target = address[len("ray://"):]
+    else:  # Ray maps a loopback host to the machine's address and "auto" to the recorded cluster
+        try:
+            target = ray_dial_address(address)
+        except (ValueError, ConnectionError) as exc:
+            raise ValueError(
+                f"address={address!r}: expected HOST:PORT of a running Ray cluster's head (or "
+                f"ray://HOST:PORT, or 'auto'); Ray could not use it: {exc}"
+            ) from None
+    host, sep, port = (target or "").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address={address!r}: expected HOST:PORT (e.g. 10.0.0.5:6379), got {target!r}.")
+    return host.strip("[]"), int(port)
+
+
+def probe(host: str, port: int, timeout_s: float, what: str) -> None:
+    """Open (and close) a TCP connection to ``host:port`` within ``timeout_s``, or say why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except TimeoutError:
         raise TimeoutError(
-            f"{what}: not ready after {timeout_s:g} s. Each actor asked for {resources} and the cluster "
-            f"has {free} free now; Ray keeps an actor waiting until its resources are free. Use a "
-            "larger cluster or smaller requests, or raise ready_timeout_s if the model is slow to build."
+            f"{what}: no answer from {host}:{port}, the address Ray dials for it, after {timeout_s:g} s. "
+            "Check that the cluster's head is up and reachable from here, or raise the timeout "
+            "(tether train: ray_timeout)."
         ) from None
+    except OSError as exc:
+        raise ConnectionError(
+            f"{what}: nothing accepts connections at {host}:{port}, the address Ray dials for it "
+            f"({exc.strerror or exc}). Start the cluster there (ray start --head --port={port}), correct "
+            "the address, or leave it out to start a local cluster bound to 127.0.0.1."
+        ) from None
+
+
+def connect_cluster(address: Any, timeout_s: Any) -> None:
+    """Join the existing Ray cluster at ``address``, or fail within ``timeout_s`` with the reason.
+
+    ``ray.init(address=...)`` waits for ever when nothing answers there, so the address Ray
+    will dial is first probed with a TCP connection bounded by ``timeout_s``. ``'local'`` is
+    refused: it would start a cluster reachable from the network (use ``start_local_cluster``).
+    """
+    seconds = check_seconds("timeout_s", timeout_s)
+    if not isinstance(address, str) or not address.strip() or address.strip() == "local":
+        raise ValueError(
+            f"address: expected HOST:PORT of an existing Ray cluster, got {address!r}. For a local "
+            "cluster bound to 127.0.0.1 call start_local_cluster(num_cpus) (tether train: leave "
+            "ray_address empty)."
+        )
+    if ray.is_initialized():
+        raise RuntimeError(f"connect_cluster({address!r}): this process is already connected to Ray.")
+    host, port = _dial_target(address.strip())
+    probe(host, port, seconds, f"Ray address {address!r}")
+    ray.init(address=address.strip())
 
 
 def remote_device(device: Any, num_gpus: float) -> torch.device | None:

@@ -21,12 +21,20 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from ray.exceptions import RayActorError
 from torch import Tensor
 
+from tether.ray._checks import check_batch, check_group
+from tether.ray._runtime import check_seconds, get_within, needs_ray
+
 __all__ = ["PendingScore", "ReferenceClient", "ScoreReply", "ScoreRequest"]
+
+_SLOW_SERVICE = (
+    "The service may be busy with large batches, waiting out max_wait_ms for rows that never "
+    "come, or stuck; check its logs, or raise the client's timeout_s "
+    "(ReferenceService(timeout_s=...) or service.client(timeout_s=...); tether train: ray_timeout)."
+)
 
 
 @dataclass(frozen=True)
@@ -70,37 +78,6 @@ class ScoreReply:
     weights_version: str | None = None
 
 
-def _check_group(group: Any, group_rows: Any, rows: int) -> None:
-    if (group is None) != (group_rows is None):
-        raise ValueError(
-            f"group={group!r}, group_rows={group_rows!r}: expected both or neither (the group's name "
-            "and the total rows of its requests)."
-        )
-    if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, int)
-                                   or group_rows < rows):
-        raise ValueError(
-            f"group_rows: expected an int >= this request's {rows} rows (the total of the group), "
-            f"got {group_rows!r}."
-        )
-
-
-def _check_batch(tokens: Any, mask: Any) -> None:
-    if not isinstance(tokens, Tensor) or not isinstance(mask, Tensor):
-        raise TypeError(
-            f"tokens/mask: expected two tensors, got {type(tokens).__name__} and {type(mask).__name__}."
-        )
-    if tokens.ndim != 2 or tokens.shape != mask.shape:
-        raise ValueError(
-            f"tokens/mask: expected two [B, T] tensors of the same shape, got {tuple(tokens.shape)} "
-            f"and {tuple(mask.shape)}. Pass the batch's ('tokens', 'full') and its attention mask."
-        )
-    if tokens.dtype.is_floating_point or mask.dtype != torch.bool:
-        raise TypeError(
-            f"tokens/mask: expected integer token ids and a bool mask, got {tokens.dtype} and "
-            f"{mask.dtype}. Convert the mask with mask.bool()."
-        )
-
-
 class PendingScore:
     """A request in flight; ``result()`` waits for it, resending on a dead service."""
 
@@ -115,11 +92,17 @@ class PendingScore:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @needs_ray
     def reply(self, timeout_s: float | None = None) -> ScoreReply:
-        """The service's reply (log-probs on the CPU); raises after ``max_attempts`` failures."""
+        """The service's reply (log-probs on the CPU); raises after ``max_attempts`` failures.
+
+        Each attempt waits at most ``timeout_s`` (default: the client's ``timeout_s``).
+        """
+        timeout = self.client.timeout_s if timeout_s is None else check_seconds("timeout_s", timeout_s)
         while True:
             try:
-                reply = ray.get(self._ref, timeout=timeout_s)
+                reply = get_within(self._ref, what=f"request {self.request_id!r} to the reference service",
+                                   timeout_s=timeout, fix=_SLOW_SERVICE)
                 break
             except RayActorError as exc:  # died, restarting or unreachable: same id again
                 if self.attempts >= self.client.max_attempts:
@@ -153,10 +136,11 @@ class ReferenceClient:
         device: where results are returned; default the device of the tokens sent.
         max_attempts: sends of one request before giving up (>= 1).
         retry_delay_s: pause before the first resend, growing linearly with each attempt.
+        timeout_s: longest wait for one reply (per attempt) before a ``TimeoutError``.
     """
 
     def __init__(self, actor: Any, *, device: torch.device | str | None = None, max_attempts: int = 5,
-                 retry_delay_s: float = 0.5) -> None:
+                 retry_delay_s: float = 0.5, timeout_s: float = 600.0) -> None:
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts: expected an int >= 1, got {max_attempts!r}.")
         if not retry_delay_s >= 0:
@@ -165,6 +149,7 @@ class ReferenceClient:
         self.device = torch.device(device) if device is not None else None
         self.max_attempts = max_attempts
         self.retry_delay_s = float(retry_delay_s)
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
         self._prefix = uuid.uuid4().hex[:12]
         self._counter = itertools.count()
 
@@ -182,10 +167,12 @@ class ReferenceClient:
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._counter):08d}"
 
+    @needs_ray
     def send(self, request: ScoreRequest) -> Any:
         """Submit one request to the actor; returns the Ray object ref of its reply."""
         return self.actor.score.remote(request)
 
+    @needs_ray
     def submit(self, tokens: Tensor, mask: Tensor, *, request_id: str | None = None, group: str | None = None,
                group_rows: int | None = None) -> PendingScore:
         """Send ``tokens [B, T]`` / ``mask bool [B, T]`` now; the result is collected later.
@@ -195,14 +182,15 @@ class ReferenceClient:
         composition, and hence its float rounding, reproducible. ``group`` / ``group_rows``:
         see ``ScoreRequest``.
         """
-        _check_batch(tokens, mask)
-        _check_group(group, group_rows, tokens.shape[0])
+        check_batch(tokens, mask)
+        check_group(group, group_rows, tokens.shape[0])
         device = self.device or tokens.device
         rid = self.new_request_id() if request_id is None else str(request_id)
         request = ScoreRequest(rid, tokens.detach().to("cpu").long(), mask.detach().to("cpu"),
                                None if group is None else str(group), group_rows)
         return PendingScore(self, request, device)
 
+    @needs_ray
     def score(self, tokens: Tensor, mask: Tensor, *, request_id: str | None = None, group: str | None = None,
               group_rows: int | None = None) -> Tensor:
         """Reference log-probs ``[B, T]`` of ``tokens`` on the caller's device (blocking)."""

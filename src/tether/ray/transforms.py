@@ -12,8 +12,11 @@ passed directly is pickled and shipped once, at construction. Callers that name 
 ``actor_name`` share one actor (and one copy of the model): the second finds the first with
 ``ray.get_actor`` and builds nothing.
 
-Ray must be initialised before construction (``RayNotInitializedError`` otherwise): a
-transform that quietly started a cluster would leave processes behind in a user's session.
+Ray must be initialised before construction and for every later call
+(``RayNotInitializedError`` otherwise): a transform that quietly started a cluster would
+leave processes behind in a user's session, listening beyond the loopback. Every wait on the
+actor is bounded: ``ready_timeout_s`` for it to be placed and built (a ``num_gpus`` the
+cluster lacks would keep it pending for ever), ``timeout_s`` for each later call.
 
 Departures from the TorchRL seed: separate classes rather than a metaclass that swaps the
 type a constructor returns; construction waits for the actor, so a failing factory or a bad
@@ -43,10 +46,15 @@ from tether.ray._checks import check_model_args
 from tether.ray._runtime import (
     actor_resources,
     caller_device,
+    check_seconds,
     get_or_create_actor,
+    get_within,
+    kill_if_connected,
+    needs_ray,
     place_scorer,
     remote_device,
     require_ray,
+    wait_ready,
 )
 
 __all__ = ["RayKLRewardTransform", "RayRetrieveKL", "TransformHostInfo"]
@@ -124,7 +132,7 @@ def _check_kwargs(local: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(
             f"{unknown}: not keyword arguments of {local.__name__}. Valid keywords besides the "
-            f"Ray ones (num_cpus, num_gpus, device, actor_name): {valid}."
+            f"Ray ones (num_cpus, num_gpus, device, actor_name, ready_timeout_s, timeout_s): {valid}."
         )
     if kwargs.get("detach", True) is False:
         raise ValueError(
@@ -140,8 +148,11 @@ class _RayTransform(TensorDictModuleBase):
     kind: str = ""
 
     def _start(self, build: Callable[..., TensorDictModuleBase], spec: ModelSpec, kwargs: dict[str, Any], *,
-               num_cpus: float, num_gpus: float, device: Any, actor_name: str | None) -> None:
+               num_cpus: float, num_gpus: float, device: Any, actor_name: str | None, ready_timeout_s: float,
+               timeout_s: float) -> None:
         require_ray(type(self).__name__)
+        check_seconds("ready_timeout_s", ready_timeout_s)
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
         options = actor_resources(num_cpus, num_gpus)
         target = remote_device(device, options["num_gpus"])
         lookup = get_or_create_actor(TransformHost, name=actor_name, options=options,
@@ -153,7 +164,9 @@ class _RayTransform(TensorDictModuleBase):
                 f"actor_name={actor_name!r}: that actor is not a transform host (it has no describe() "
                 "method). Pick another actor_name for this transform."
             ) from None
-        info = ray.get(describe.remote())
+        leftover = (lookup.handle,) if lookup.created else ()  # a shared actor found by name stays
+        [info] = wait_ready([describe.remote()], what=type(self).__name__, timeout_s=ready_timeout_s,
+                            resources=options, on_timeout=lambda: kill_if_connected(*leftover))
         if info.kind != self.kind:
             raise TypeError(
                 f"actor_name={actor_name!r}: that actor hosts a {info.kind}, not a {self.kind}. "
@@ -165,6 +178,14 @@ class _RayTransform(TensorDictModuleBase):
         self.info = info
         self.in_keys = list(info.in_keys)
         self.out_keys = list(info.out_keys)
+        self._closed = False
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """The actor's answer to ``method(*args)``, waited for at most ``timeout_s``."""
+        return get_within(getattr(self.actor, method).remote(*args), what=f"{type(self).__name__}.{method}",
+                          timeout_s=self.timeout_s,
+                          fix="The actor may be busy with a large batch or stuck; check its logs, or raise "
+                              "timeout_s.")
 
     @property
     def actor_id(self) -> str:
@@ -172,22 +193,28 @@ class _RayTransform(TensorDictModuleBase):
         return self.info.actor_id
 
     @property
+    @needs_ray
     def kl_coef(self) -> float:
-        return ray.get(self.actor.get_kl_coef.remote())
+        return self._call("get_kl_coef")
 
     @kl_coef.setter
+    @needs_ray
     def kl_coef(self, value: float) -> None:
-        ray.get(self.actor.set_kl_coef.remote(value))
+        self._call("set_kl_coef", value)
 
+    @needs_ray
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         device = caller_device(td)
-        result = ray.get(self.actor.forward.remote(td.to("cpu")))
+        result = self._call("forward", td.to("cpu"))
         td.update(result.to(device))
         return td
 
     def shutdown(self) -> None:
-        """Kill the hosting actor, for every transform sharing it."""
-        ray.kill(self.actor)
+        """Kill the hosting actor, for every transform sharing it; later calls, and calls
+        after ``ray.shutdown()``, do nothing (see ``kill_if_connected``)."""
+        if not self._closed:
+            self._closed = True
+            kill_if_connected(self.actor)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, actor_id={self.actor_id!r}, actor_name={self.actor_name!r}"
@@ -207,6 +234,8 @@ class RayKLRewardTransform(_RayTransform):
             ``num_gpus``); results always come back on the caller's device.
         actor_name: reuse the actor of that name if it exists (its model and settings stay
             those it was built with), else create it under that name.
+        ready_timeout_s: longest the constructor waits for the actor to be placed and built.
+        timeout_s: longest wait for the actor's answer to each later call (a batch, ``kl_coef``).
         **kwargs: the other keywords of ``KLRewardTransform`` (``coef``, ``in_keys``,
             ``out_keys``, ``log_prob_key``, ``add_to_reward``, ``tokenizer``,
             ``assistant_only``, ``padding_side``).
@@ -223,13 +252,16 @@ class RayKLRewardTransform(_RayTransform):
         num_gpus: float = 0,
         device: torch.device | str | None = None,
         actor_name: str | None = None,
+        ready_timeout_s: float = 300.0,
+        timeout_s: float = 600.0,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         check_model_args(ref_model, ref_model_factory)
         spec = ModelSpec(ref_model=ref_model, ref_model_factory=ref_model_factory)
         self._start(_build_kl_reward, spec, _check_kwargs(KLRewardTransform, kwargs), num_cpus=num_cpus,
-                    num_gpus=num_gpus, device=device, actor_name=actor_name)
+                    num_gpus=num_gpus, device=device, actor_name=actor_name,
+                    ready_timeout_s=ready_timeout_s, timeout_s=timeout_s)
 
     coef = _RayTransform.kl_coef  # the seed's keyword
 
@@ -247,7 +279,8 @@ class RayRetrieveKL(_RayTransform):
         ref_model_factory, gen_model_factory: callables building those wrappers inside the
             actor. Exactly one of ``ref_model`` / ``ref_model_factory``; at most one of
             ``gen_model`` / ``gen_model_factory``.
-        num_cpus, num_gpus, device, actor_name: as for ``RayKLRewardTransform``.
+        num_cpus, num_gpus, device, actor_name, ready_timeout_s, timeout_s: as for
+            ``RayKLRewardTransform``.
         **kwargs: the other keywords of ``RetrieveKL`` (``assistant_only``, ``tokenizer``,
             ``tokenizer_kwargs``, ``padding_side``, key names, ``add_to_reward``, ``coeff``,
             ``estimator``); ``detach`` must stay True.
@@ -266,12 +299,15 @@ class RayRetrieveKL(_RayTransform):
         num_gpus: float = 0,
         device: torch.device | str | None = None,
         actor_name: str | None = None,
+        ready_timeout_s: float = 300.0,
+        timeout_s: float = 600.0,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         check_model_args(ref_model, ref_model_factory, gen_model, gen_model_factory)
         spec = ModelSpec(ref_model, ref_model_factory, gen_model, gen_model_factory)
         self._start(_build_retrieve_kl, spec, _check_kwargs(RetrieveKL, kwargs), num_cpus=num_cpus,
-                    num_gpus=num_gpus, device=device, actor_name=actor_name)
+                    num_gpus=num_gpus, device=device, actor_name=actor_name,
+                    ready_timeout_s=ready_timeout_s, timeout_s=timeout_s)
 
     coeff = _RayTransform.kl_coef  # the seed's keyword

@@ -45,7 +45,15 @@ from tether.llm import chat_batch
 from tether.llm.keys import REFERENCE_LOG_PROBS
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.batch_io import read_objects, write_objects
-from tether.ray._runtime import actor_resources, check_seconds, require_ray, wait_ready
+from tether.ray._runtime import (
+    actor_resources,
+    check_seconds,
+    get_within,
+    kill_if_connected,
+    needs_ray,
+    require_ray,
+    wait_ready,
+)
 from tether.ray.reference_client import ReferenceClient
 from tether.ray.reference_service import ReferenceService
 
@@ -228,12 +236,15 @@ class RolloutPool:
         num_cpus: Ray CPUs each worker holds.
         owns_ray: ``shutdown()`` also disconnects from Ray (set when the pool's creator started it).
         ready_timeout_s: longest the constructor waits for every worker to be placed and built.
+        timeout_s: longest a step waits for the workers (weights loaded, shards sampled and
+            scored) and for each answer of the service.
         poll_s: how often the pool checks, while workers sample, whether the service restarted.
     """
 
     def __init__(self, *, num_workers: int, policy_factory: Callable[[], WorkerModel], service: ReferenceService,
                  settings: SamplingSettings, seed: int, group_size: int, num_cpus: float = 1.0,
-                 owns_ray: bool = False, ready_timeout_s: float = 300.0, poll_s: float = 1.0) -> None:
+                 owns_ray: bool = False, ready_timeout_s: float = 300.0, timeout_s: float = 600.0,
+                 poll_s: float = 1.0) -> None:
         self._closed = False
         self.workers: list = []
         self.service = service
@@ -244,6 +255,7 @@ class RolloutPool:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}.")
         check_seconds("ready_timeout_s", ready_timeout_s)
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
         resources = actor_resources(num_cpus, 0)
         body = ray.remote(RolloutWorker).options(**resources, max_restarts=0)
         client = service.client()
@@ -265,12 +277,14 @@ class RolloutPool:
             self.shutdown()  # the workers that did start, and the service, hold CPUs
             raise
 
+    @needs_ray
     def push_weights(self, policy: nn.Module) -> list:
         """Send the policy's trainable parameters to every worker; returns the pending loads."""
         state = {n: p.detach().to("cpu").clone() for n, p in policy.named_parameters() if p.requires_grad}
         shared = ray.put(state)
         return [w.load_weights.remote(shared) for w in self.workers]
 
+    @needs_ray
     def sync_reference(self, updater: ReferenceUpdater | None) -> int:
         """Send a moving reference's tensors to the service unless it holds them already.
 
@@ -294,10 +308,18 @@ class RolloutPool:
 
     def _collect(self, pending: list, service_pid: int) -> list[RolloutShard]:
         """The workers' shards; flushes the service's batch whenever a restarted instance serves the step."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            _, waiting = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            left = deadline - time.monotonic()
+            _, waiting = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(self.poll_s, left)))
             if not waiting:
                 return ray.get(pending)
+            if left <= 0:
+                raise TimeoutError(
+                    f"{type(self).__name__}.rollout: {len(waiting)} of the {len(pending)} workers' shards "
+                    f"are not back after {self.timeout_s:g} s. The workers or the reference service "
+                    "may be stuck or overloaded; check their logs, or raise timeout_s (tether train: ray_timeout)."
+                )
             # A new instance never sees the rows its predecessor answered, so the step's group
             # would never fill and the batch would wait out max_wait_ms.
             if self.service.info().pid != service_pid:
@@ -330,6 +352,7 @@ class RolloutPool:
             )
         return shards
 
+    @needs_ray
     def rollout(self, policy: nn.Module, chats: list, step: int, *,
                 reference_updater: ReferenceUpdater | None = None) -> TensorDict:
         """Sample ``chats`` (whole groups, in order) on the workers with the policy's current weights."""
@@ -348,7 +371,8 @@ class RolloutPool:
             rows = chats[groups.start * self.group_size : groups.stop * self.group_size]
             pending.append(self.workers[w].sample.remote(rows, worker_seed(self.seed, step, w), f"{group}-w{w:05d}",
                                                          group, len(chats)))
-        ray.get(loads)
+        get_within(loads, what=f"{type(self).__name__}.rollout: loading the weights on the workers",
+                   timeout_s=self.timeout_s, fix="Check the workers' logs, or raise timeout_s (tether train: ray_timeout).")
         self.last_shards = self._rescore_stale(self._collect(pending, service_pid))
         return merge_batches([s.batch for s in self.last_shards], pad_id=self.last_shards[0].pad_id)
 
@@ -360,10 +384,8 @@ class RolloutPool:
         if self._closed:
             return
         self._closed = True
-        if ray.is_initialized():  # ray.kill without a connection would start a new local cluster
-            for worker in self.workers:
-                ray.kill(worker)
-            self.service.shutdown()
+        kill_if_connected(*self.workers)
+        self.service.shutdown()
         self.workers = []
         if self.owns_ray:
             ray.shutdown()

@@ -58,8 +58,9 @@ class Generation:
     Attributes:
         generated: ``long [B, L + N]``, right-padded: prompt at ``[0, prompt_rindex)``,
             response at ``[prompt_rindex, prompt_rindex + N)``, pad after the response end.
-        log_probs: ``float32 [B, N]``, log-prob of each sampled token under
-            ``softmax(logits / temperature)`` as recorded while sampling; 0 after the end.
+        log_probs: ``float32 [B, N, 1]`` (the seed's layout), log-prob of each sampled
+            token under ``softmax(logits / temperature)`` as recorded while sampling; 0
+            after the end.
         log_ratio: ``float [B, N]`` (float32, or float64 for float64 models),
             ``log pi - log pi_ref`` of each generated token, both recomputed on the full
             sequence at the sampling temperature; 0 after the end.
@@ -204,7 +205,7 @@ class RolloutFromModel:
         reference = self._response_log_probs(self.ref_model, generated, sequence_mask, index)
         return Generation(
             generated=generated,
-            log_probs=log_probs,
+            log_probs=log_probs[..., None],
             log_ratio=(policy - reference).masked_fill(~response_mask, 0.0),
             response_mask=response_mask,
             policy_log_probs=policy,

@@ -6,7 +6,9 @@ the human-written reference summary, so positions ``[prompt_rindex[b], n_b)`` ma
 completion (``attention_mask`` True up to ``n_b``); padding follows. ``labels`` can give the
 reference completion explicitly instead, in the Hugging Face convention (token ids on the
 completion's positions, ``-100`` everywhere else); it then takes precedence over whatever
-``input_ids`` holds after the prompt.
+``input_ids`` holds after the prompt. TorchRL's ``PromptData`` carries ``labels ==
+input_ids`` (the whole row); a row whose first label is not ``-100`` is read that way: its
+prompt labels must equal ``input_ids`` and its completion is ``labels[prompt_rindex:n_b]``.
 
 Departure from the seed's ``PromptData``: the batch is validated (typed errors naming the
 field), and the prompt end comes only from ``prompt_rindex``, never from searching for a pad
@@ -84,22 +86,40 @@ def _checked_fields(input_ids: object, attention_mask: object, rindex: object, l
             f"rows {holes[:8]} are not. Right-pad the prompts (tokenizer padding_side='right')."
         )
     if labels is not None:
-        _check_labels(labels, shape, rindex, positions)
+        _check_ids("labels", labels, shape)
+        completion_positions(input_ids, mask, rindex, labels)
     return mask
 
 
-def _check_labels(labels: object, shape: tuple[int, ...], rindex: Tensor, positions: Tensor) -> None:
-    _check_ids("labels", labels, shape)
+def completion_positions(input_ids: Tensor, mask: Tensor, rindex: Tensor, labels: Tensor) -> Tensor:
+    """``bool [B, L]``: where ``labels`` holds the reference completion; raises on other layouts.
+
+    Hugging Face rows (first label ``-100``): the non-ignored run, which must start at
+    ``prompt_rindex``. Full-sequence rows (TorchRL's ``labels == input_ids``): positions
+    ``[prompt_rindex, n_b)``, the prompt labels being the prompt ids.
+    """
+    positions = torch.arange(labels.shape[-1], device=labels.device)
     used = labels != LABEL_IGNORE_INDEX
+    full_row = used[:, :1]
     count = used.sum(-1)
-    expected = (positions >= rindex[:, None]) & (positions < (rindex + count)[:, None])
-    bad = (used != expected).any(-1).nonzero().flatten().tolist()
+    run = (positions >= rindex[:, None]) & (positions < (rindex + count)[:, None])
+    bad = (~full_row[:, 0] & (used != run).any(-1)).nonzero().flatten().tolist()
     if bad:
         raise ValueError(
             f"labels: expected each row's label ids on one run starting at prompt_rindex and "
-            f"{LABEL_IGNORE_INDEX} elsewhere; rows {bad[:8]} are not laid out that way. Set the "
-            f"prompt and padding positions of labels to {LABEL_IGNORE_INDEX}."
+            f"{LABEL_IGNORE_INDEX} elsewhere (or labels equal to input_ids on the prompt, as in TorchRL's "
+            f"PromptData); rows {bad[:8]} are neither. Set the prompt and padding positions of labels "
+            f"to {LABEL_IGNORE_INDEX}."
         )
+    prompt = positions < rindex[:, None]
+    mismatched = (full_row[:, 0] & ((labels != input_ids) & prompt).any(-1)).nonzero().flatten().tolist()
+    if mismatched:
+        raise ValueError(
+            f"labels: rows {mismatched[:8]} carry label ids on the prompt (the full-sequence layout "
+            f"of TorchRL's PromptData) that differ from input_ids there. Pass labels equal to "
+            f"input_ids, or {LABEL_IGNORE_INDEX} on the prompt positions."
+        )
+    return torch.where(full_row, mask & ~prompt, run)
 
 
 @tensorclass
@@ -114,7 +134,8 @@ class PromptBatch:
         prompt_rindex: ``long [B]``, where each prompt ends (the first label position),
             in ``[1, L]``.
         labels: optional ``long [B, L]``, the reference completion's ids on positions
-            ``[prompt_rindex, prompt_rindex + m)`` and ``-100`` elsewhere.
+            ``[prompt_rindex, prompt_rindex + m)`` and ``-100`` elsewhere, or the whole
+            row as in TorchRL's ``PromptData`` (``labels == input_ids``).
 
     Build it with ``PromptBatch.from_tensors(...)`` (infers the batch size and validates)
     or the tensorclass constructor followed by ``validate()``.
@@ -186,7 +207,7 @@ class PromptBatch:
         if self.labels is None:
             return self
         positions = torch.arange(self.input_ids.shape[-1], device=self.input_ids.device)
-        used = self.labels != LABEL_IGNORE_INDEX
+        used = completion_positions(self.input_ids, self.attention_mask.bool(), self.prompt_rindex, self.labels)
         keep = (positions < self.prompt_rindex[..., None]) | used
         return type(self)(
             input_ids=torch.where(used, self.labels, self.input_ids),

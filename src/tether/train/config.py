@@ -35,6 +35,7 @@ class TrainConfig:
     overwrite: bool = _f(False, "Replace the run in --out (its config, metrics, plots, summary and checkpoints); without it a directory that is not empty is refused.")
     workers: int = _f(0, "Rollout workers on Ray sharing one ReferenceService; 0 samples in-process.")
     ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
+    ray_timeout: float = _f(600.0, "Seconds any wait on Ray may last (connecting, actors starting, a step's rollouts) before the run fails.")
     threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
     # --- rollout
     prompts_per_step: int = _f(12, "Distinct prompts per step.")
@@ -59,10 +60,11 @@ class TrainConfig:
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
     kl_coef: float = _f(0.2, "Initial KL coefficient beta.")
-    kl_controller: str = _f("constant", "'constant' or 'adaptive' (Ziegler et al. 2019) control of beta.")
-    kl_target: float = _f(1.0, "Adaptive controller target: mean per-sequence summed KL (nats).")
+    kl_controller: str = _f("constant", "'constant', 'adaptive' (Ziegler et al. 2019) or 'target' (holds the KL at kl_target every step; kl_coef is its start) control of beta.")
+    kl_target: float = _f(1.0, "KL the adaptive or target controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
-    kl_bound: float = _f(3.0, "Bound on the final mean per-sequence KL reported as met or not in the summary (nats).")
+    kl_signal: str = _f("sampled", "KL the controller and kl_bound read: 'sampled' (k1 along the sampled answers, free) or 'exact' (full-vocabulary KL at the answer positions, logged as kl_exact_*; one extra no-grad pass of policy and reference, about 2.7x a reference pass today).")
+    kl_bound: float = _f(3.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
@@ -154,6 +156,7 @@ class TrainConfig:
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
         need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
+        need(self.ray_timeout > 0, f"ray_timeout: expected > 0 seconds, got {self.ray_timeout}")
         need(0 < self.clip_epsilon < 1, f"clip_epsilon: expected in (0, 1), got {self.clip_epsilon}")
         need(self.kl_target > 0, f"kl_target: expected > 0, got {self.kl_target}")
         need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
@@ -178,7 +181,8 @@ _CHOICES: dict[str, set[str]] = {
     "advantage": {"grpo", "dr_grpo", "rloo"},
     "kl_mode": {"loss", "reward"},
     "kl_estimator": {"k1", "k2", "k3"},
-    "kl_controller": {"constant", "adaptive"},
+    "kl_controller": {"constant", "adaptive", "target"},
+    "kl_signal": {"sampled", "exact"},
     "reference_update": {"fixed", "sync", "ema"},
     "prompt_format": {"chat", "text"},
 }

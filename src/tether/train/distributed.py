@@ -11,7 +11,8 @@ CPUs the cluster has free evenly, so the service and every worker fit at once.
 Each worker's request names the step's group of rows, so the service scores the whole step
 in one packed batch the moment the last worker's rows arrive: the same batch on every run.
 ``max_wait_ms`` is only a backstop for rows that never come; a service restarted mid-step
-is flushed by the pool instead of waiting it out.
+is flushed by the pool instead of waiting it out. ``ray_timeout`` bounds every wait on Ray:
+connecting to ``ray_address``, the actors coming up, each step's shards and answers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import ray
 import torch
 
 from tether.models import TransformersWrapper
-from tether.ray import ReferenceService, RolloutPool, SamplingSettings, WorkerModel, start_local_cluster
+from tether.ray import (
+    ReferenceService,
+    RolloutPool,
+    SamplingSettings,
+    WorkerModel,
+    connect_cluster,
+    start_local_cluster,
+)
 from tether.train.config import TrainConfig
 from tether.train.setup import build_models, reference_scorer
 
@@ -51,7 +59,7 @@ def _connect(cfg: TrainConfig) -> bool:
     if ray.is_initialized():
         return False
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address)
+        connect_cluster(cfg.ray_address, cfg.ray_timeout)
     else:
         start_local_cluster(max(2, cfg.workers + 1))
     return True
@@ -79,13 +87,15 @@ def start_workers(cfg: TrainConfig) -> RolloutPool:
         service = ReferenceService(
             ref_model_factory=functools.partial(service_scorer, cfg), num_cpus=share,
             max_wait_ms=_BACKSTOP_WAIT_MS, max_batch_rows=cfg.prompts_per_step * cfg.group_size,
-            answer_cache=_ANSWERS_PER_WORKER * cfg.workers,
+            answer_cache=_ANSWERS_PER_WORKER * cfg.workers, ready_timeout_s=cfg.ray_timeout,
+            timeout_s=cfg.ray_timeout,
         )
         settings = SamplingSettings(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                     threads=cfg.threads)
         return RolloutPool(num_workers=cfg.workers, policy_factory=functools.partial(worker_policy, cfg),
                            service=service, settings=settings, seed=cfg.seed, group_size=cfg.group_size,
-                           num_cpus=share, owns_ray=owns_ray)
+                           num_cpus=share, owns_ray=owns_ray, ready_timeout_s=cfg.ray_timeout,
+                           timeout_s=cfg.ray_timeout)
     except BaseException:
         if service is not None:
             service.shutdown()  # a no-op when the pool's own clean-up already did it

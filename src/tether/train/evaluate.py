@@ -74,7 +74,7 @@ def evaluate(
         tokens_total += int(response.sum())
         if with_kl and reference is not None:
             kl = exact_kl_tokens(policy, reference, td["tokens", "full"], td["masks", "all_attention_mask"],
-                                 temperature=temperature)
+                                 temperature=temperature, where=response.bool())
             kl_sum += (kl.double() * response).sum()
     n = len(problems)
     return EvalResult(

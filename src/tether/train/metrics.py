@@ -74,15 +74,31 @@ def curve_data(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list
 _FRACTIONS = {"accuracy", "clip_fraction", "ess"}
 
 
-def _kl_bound(run_dir: Path) -> float | None:
-    """The run's ``kl_bound`` from its config.yaml, drawn on the KL plot (None if absent)."""
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping ({} if absent): the KL plot draws its bound and target."""
     import yaml
 
     path = run_dir / "config.yaml"
-    if not path.is_file():
-        return None
-    value = (yaml.safe_load(path.read_text()) or {}).get("kl_bound")
-    return float(value) if isinstance(value, (int, float)) else None
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+# Fraction of the target that counts as holding it: the band drawn on the KL plot (+-25 %).
+TARGET_BAND = 0.25
+
+
+def _draw_kl_guides(ax, config: dict[str, Any], curves: dict[str, tuple[list[int], list[float]]]) -> None:
+    """Exact KL beside the sampled one, the bound, and the target band of a controlled run."""
+    steps, exact = curves.get("kl_exact_per_seq", ([], []))
+    if any(v == v for v in exact):  # not all NaN: the run logged the exact KL
+        ax.plot(steps, exact, marker="s", markersize=3, label="kl_exact_per_seq")
+    bound = config.get("kl_bound")
+    if isinstance(bound, (int, float)):
+        ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
+    target = config.get("kl_target")
+    if config.get("kl_controller") in ("adaptive", "target") and isinstance(target, (int, float)):
+        ax.axhspan(target * (1 - TARGET_BAND), target * (1 + TARGET_BAND), color="tab:green", alpha=0.15,
+                   label=f"kl_target +-{TARGET_BAND:.0%}")
+    ax.legend(loc="upper left", fontsize=8)
 
 
 def plot_metrics(run_dir: Path) -> list[Path]:
@@ -98,7 +114,8 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     curves = curve_data(records)
-    kl_bound = _kl_bound(run_dir)
+    curves["kl_exact_per_seq"] = ([r["step"] for r in records], [r.get("kl_exact_per_seq", float("nan")) for r in records])
+    config = _run_config(run_dir)
     written: list[Path] = []
     cols = 3
     rows = math.ceil(len(PLOTTED) / cols)
@@ -116,9 +133,8 @@ def plot_metrics(run_dir: Path) -> list[Path]:
             target.ticklabel_format(axis="y", useOffset=False)
             if key in _FRACTIONS:
                 target.set_ylim(-0.02, 1.02)
-            if key == "kl_per_seq" and kl_bound is not None:
-                target.axhline(kl_bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
-                target.legend(loc="upper left", fontsize=8)
+            if key == "kl_per_seq":
+                _draw_kl_guides(target, config, curves)
         fig.tight_layout()
         path = out_dir / f"{key}.png"
         fig.savefig(path, dpi=90)

@@ -34,6 +34,7 @@ from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
 from tether.train.data import check_data, check_prompt_format, dataset_task, prompt_batch
 from tether.train.evaluate import evaluate
+from tether.train.kl_signal import has_exact_kl, measure_kl
 from tether.train.metrics import MetricsLog, plot_metrics
 from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe_checkpoints, open_checkpoint,
                                   start_new_run, write_config)
@@ -101,6 +102,8 @@ def build_run(cfg: TrainConfig) -> Run:
     if cfg.kl_controller == "adaptive":
         controller = make_kl_controller("adaptive", init_kl_coef=cfg.kl_coef, target=cfg.kl_target,
                                         horizon=cfg.kl_horizon, model=coef)
+    elif cfg.kl_controller == "target":
+        controller = make_kl_controller("target", init_kl_coef=cfg.kl_coef, target=cfg.kl_target, model=coef)
     else:
         controller = make_kl_controller("constant", kl_coef=cfg.kl_coef, model=coef)
     trainable = [p for p in models.policy.parameters() if p.requires_grad]
@@ -221,16 +224,22 @@ def optimize(run: Run, batch, step: int | None = None) -> dict[str, float]:
 
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
+    cfg = run.cfg
     start = time.perf_counter()
     batch, problems = rollout(run, step)
     scores = score_batch(run, batch, problems, step)
     rewards = scores.total
     kl_seq = add_advantages(run, batch, rewards)
+    # Measured before the update: both KLs then describe the policy that sampled the batch.
+    policy = run.models.policy
+    exact = cfg.kl_signal == "exact" and has_exact_kl(policy)
+    kl = measure_kl(batch, kl_seq, policy=policy if exact else None,
+                    reference=run.models.reference, temperature=cfg.temperature)
     opt = optimize(run, batch, step)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     kl_coef_used = float(run.coef.kl_coef)
-    run.controller.update(kl_seq.detach().double().tolist())
+    run.controller.update(kl.signal.tolist())
     mask = batch["masks", "all_assistant_mask"]
     elapsed = time.perf_counter() - start
     return {
@@ -239,8 +248,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "reward_std": float(rewards.std()),
         **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
-        "kl_per_seq": float(kl_seq.mean()),
-        "kl_per_token": float(kl_seq.sum() / mask.sum().clamp(min=1)),
+        **kl.metrics(cfg.kl_bound),
         "kl_coef": kl_coef_used,
         "clip_fraction": opt.get("clip_fraction", 0.0),
         "ess": opt.get("ESS", float("nan")),
@@ -362,7 +370,14 @@ def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, A
         "final_train_kl_per_seq": final_kl,
         "kl_bound": run.cfg.kl_bound,
         "kl_within_bound": final_kl <= run.cfg.kl_bound,
+        "steps_over_kl_bound": sum(bool(r.get("kl_over_bound")) for r in records),
+        "final_train_kl_exact_per_seq": _tail_mean(tail, "kl_exact_per_seq"),
         "final_kl_coef": float(run.coef.kl_coef),
         "seconds_this_process": seconds,
         "eval_size": len(run.held_out),
     }
+
+
+def _tail_mean(tail: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in tail if key in r]
+    return sum(values) / len(values) if values else None

@@ -16,7 +16,10 @@ Departures from the TorchRL seed, and why:
 * It is a ``TensorDictModuleBase``, usable on offline rollouts without TorchRL; the TorchRL
   environment transform lives in ``tether.integrations.torchrl``.
 * Missing entries raise a ``KeyError`` naming the key and listing those present; the
-  log-prob key is read from the actor instead of assuming ``"sample_log_prob"``.
+  log-prob key is read from the actor instead of assuming ``"sample_log_prob"``. An actor
+  input absent from the rollout is left for the actor to judge (a recurrent actor's hidden
+  state is absent at the first step and the actor starts from zeros); the ``KeyError``
+  comes only if the actor cannot run without it.
 """
 
 from __future__ import annotations
@@ -235,13 +238,25 @@ class KLRewardTransform(TensorDictModuleBase):
     def reference_log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
         """``log pi_0(a)`` of the recorded actions under the frozen snapshot, shape of the log-prob."""
         action = _require(tensordict, self.action_key, "action")
-        for key in self._actor_in_keys:
-            _require(tensordict, key, "actor input")
+        keys = set(tensordict.keys(include_nested=True, leaves_only=True))
+        absent = [key for key in self._actor_in_keys if unravel_key(key) not in keys]
         # The actor writes its intermediate outputs (e.g. loc/scale) into its input; a
-        # selection keeps the live policy's entries in the rollout untouched.
-        inputs = tensordict.select(*self._actor_in_keys)
+        # selection keeps the live policy's entries in the rollout untouched. Absent inputs
+        # are left for the actor to judge: a recurrent module starts from a zero hidden
+        # state when none is given, so only a failure of the actor makes them required.
+        inputs = tensordict.select(*[k for k in self._actor_in_keys if k not in absent])
         with self.frozen_params.to_module(self._frozen_actor):
-            dist = self._frozen_actor.get_dist(inputs)
+            try:
+                dist = self._frozen_actor.get_dist(inputs)
+            except Exception as err:
+                if not absent:
+                    raise
+                present = sorted(_show(k) for k in keys)
+                raise KeyError(
+                    f"KLRewardTransform: the actor could not run without its input(s) "
+                    f"{', '.join(_show(k) for k in absent)}, missing from the rollout ({type(err).__name__}: "
+                    f"{err}); present keys: [{', '.join(present)}]. Record them in the rollout."
+                ) from err
             return dist.log_prob(action)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:

@@ -1,0 +1,138 @@
+"""Argument checks and plumbing shared by the KL controllers (one place for each check)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def real_number(name: str, value: Any, *, minimum: float | None = None, strict: bool = False,
+          allow_inf: bool = False) -> float:
+    """Validates a real-valued argument and returns it as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number; got {value!r} of type {type(value).__name__}. "
+            f"Pass a Python float, e.g. {name}=0.1."
+        )
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be finite; got {value}. Pass a finite float.")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        relation = ">" if strict else ">="
+        raise ValueError(
+            f"{name} must be {relation} {minimum}; got {value}. Pass a value {relation} {minimum}."
+        )
+    return value
+
+
+def control_targets(model: Any) -> tuple[Any, ...]:
+    """Normalises ``model`` (None, one object or a list/tuple) and checks each has ``kl_coef``."""
+    if model is None:
+        return ()
+    targets = tuple(model) if isinstance(model, (list, tuple)) else (model,)
+    for index, target in enumerate(targets):
+        if not hasattr(target, "kl_coef"):
+            where = f"model[{index}]" if isinstance(model, (list, tuple)) else "model"
+            raise TypeError(
+                f"{where} must expose a read/write `kl_coef` attribute; got an object of type "
+                f"{type(target).__name__} without one. Pass the component whose KL term the "
+                f"controller should drive (e.g. a KLRewardTransform or a loss with kl_coef)."
+            )
+    return targets
+
+
+def push_coef(targets: tuple[Any, ...], coef: float) -> None:
+    """Writes ``coef`` to every driven object, turning a read-only attribute into a clear error."""
+    for target in targets:
+        try:
+            target.kl_coef = coef
+        except AttributeError as err:
+            raise TypeError(
+                f"model.kl_coef of {type(target).__name__} is read-only; the controller needs "
+                f"to write it. Give that class a `kl_coef` setter."
+            ) from err
+
+
+def positive_count(n_steps: Any) -> int:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps <= 0:
+        raise ValueError(
+            f"n_steps must be a positive int (the number of sequences the KL was measured on); "
+            f"got {n_steps!r}. Pass the batch size in sequences."
+        )
+    return int(n_steps)
+
+
+def mean_sequence_kl(kl_values: Any, n_steps: int | None) -> tuple[float, int]:
+    """Returns (mean per-sequence KL, number of sequences) from the accepted input forms.
+
+    ``kl_values`` is a 1-D tensor ``[N]`` or a sequence of N numbers (each the KL of one
+    sequence summed over its tokens), or a scalar already averaged over ``n_steps``
+    sequences, in which case ``n_steps`` is required.
+    """
+    if kl_values is None:
+        raise ValueError(
+            "kl_values is required by the controller's update; got None. Pass the "
+            "per-sequence summed KLs of the last batch (a 1-D tensor or list), or their mean "
+            "together with n_steps."
+        )
+    if isinstance(kl_values, torch.Tensor):
+        values = kl_values.detach().to(device="cpu", dtype=torch.float64)
+    elif isinstance(kl_values, numbers.Real) and not isinstance(kl_values, bool):
+        values = torch.tensor(float(kl_values), dtype=torch.float64)
+    elif isinstance(kl_values, Iterable) and not isinstance(kl_values, (str, bytes)):
+        try:
+            # float() takes numbers and one-element tensors alike (e.g. a deque of 0-dim KLs).
+            values = torch.tensor([float(v) for v in kl_values], dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"kl_values must contain one number per sequence; could not read it as "
+                f"floats ({err}). Pass a 1-D tensor or a list of floats."
+            ) from err
+    else:
+        raise TypeError(
+            f"kl_values must be a 1-D tensor, a sequence of floats or a scalar; got "
+            f"{type(kl_values).__name__}. Pass the per-sequence summed KLs."
+        )
+    if values.dim() > 1:
+        raise ValueError(
+            f"kl_values must hold one KL per sequence (shape [N]); got shape "
+            f"{tuple(values.shape)}. Sum the per-token KL over each sequence's valid tokens "
+            f"first, e.g. (kl * mask).sum(-1)."
+        )
+    if values.dim() == 0:
+        if n_steps is None:
+            raise ValueError(
+                "n_steps is required when kl_values is a scalar mean; got None. Pass the "
+                "number of sequences that mean was taken over."
+            )
+        count = positive_count(n_steps)
+    else:
+        if values.numel() == 0:
+            raise ValueError("kl_values is empty; expected at least one per-sequence KL.")
+        count = values.numel()
+        if n_steps is not None and positive_count(n_steps) != count:
+            raise ValueError(
+                f"n_steps={n_steps} disagrees with len(kl_values)={count}; n_steps counts the "
+                f"sequences in kl_values. Omit n_steps when passing one KL per sequence."
+            )
+    mean = float(values.mean())
+    if not math.isfinite(mean):
+        raise ValueError(
+            f"kl_values must be finite; got a mean of {mean}. Check the log-probs for -inf "
+            f"(e.g. a reference model that gives a sampled token zero probability)."
+        )
+    return mean, count
+
+
+def check_state_keys(state: dict[str, Any], expected: tuple[str, ...], owner: str) -> None:
+    missing = [key for key in expected if key not in state]
+    extra = [key for key in state if key not in expected]
+    if missing or extra:
+        raise KeyError(
+            f"{owner}.load_state_dict expected keys {list(expected)}; missing {missing}, "
+            f"unexpected {extra}. Pass a dict produced by {owner}.state_dict()."
+        )

@@ -1,0 +1,108 @@
+"""The leash in ``tether train``: target controller on the tiny model, both KL signals,
+the per-step ``kl_bound`` flag and its count, and exact resume with the controller's state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.train.test_recipe import _metrics, _weights, tiny_cfg
+from tether.train.config import TrainConfig
+from tether.train.kl_signal import measure_kl
+from tether.train.recipe import add_advantages, build_run, rollout, score_rewards, train
+
+# lr 1e-2 on the tiny model: at a constant beta 3 its exact KL creeps to about 0.5 nats, at
+# beta 0.01 it runs past 4 in 12 steps; a target of 1 nat is reachable only by moving beta.
+LEASH = dict(learning_rate=1e-2, prompts_per_step=4, group_size=4, checkpoint_every=0, kl_coef=3.0, kl_target=1.0,
+             kl_signal="exact")
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_target_controller_holds_the_band_where_a_constant_beta_misses_it(tmp_path):
+    held = [r["kl_exact_per_seq"] for r in _records_of(tmp_path / "target", "target")][10:]
+    fixed = [r["kl_exact_per_seq"] for r in _records_of(tmp_path / "constant", "constant")][10:]
+    in_band = [abs(kl - 1.0) <= 0.25 for kl in held]
+    assert sum(held) / len(held) == pytest.approx(1.0, rel=0.25), held
+    assert sum(in_band) >= 6, held
+    assert not any(abs(kl - 1.0) <= 0.25 for kl in fixed), fixed
+
+
+def _records_of(out, controller: str) -> list[dict]:
+    train(tiny_cfg(out, steps=20, kl_controller=controller, **LEASH), progress=False)
+    return _records(out)
+
+
+def test_exact_kl_signal_matches_full_logits(tmp_path):
+    """The exact per-answer KL equals sum over response positions of the full-vocabulary KL
+    computed naively from both models' logits in float64; the sampled one is the k1 sum."""
+    run = build_run(tiny_cfg(tmp_path / "run", steps=2))
+    with torch.no_grad():
+        for p in run.models.policy.parameters():  # move the policy away from the reference
+            p.add_(0.05 * torch.randn_like(p))
+    batch, problems = rollout(run, 0)
+    rewards, _ = score_rewards(run, batch, problems, 0)
+    kl_seq = add_advantages(run, batch, rewards)
+    kl = measure_kl(batch, kl_seq, policy=run.models.policy, reference=run.models.reference, temperature=1.0)
+    tokens, attn = batch["tokens", "full"], batch["masks", "all_attention_mask"]
+    mask = batch["masks", "all_assistant_mask"]
+    expected = []
+    with torch.no_grad():
+        for row in range(tokens.shape[0]):
+            ids = tokens[row][attn[row]][None]
+            logp = run.models.policy(input_ids=ids).logits.double().log_softmax(-1)[0, :-1]
+            logq = run.models.reference(input_ids=ids).logits.double().log_softmax(-1)[0, :-1]
+            per_pos = (logp.exp() * (logp - logq)).sum(-1)
+            expected.append(float(per_pos[mask[row][attn[row]][1:]].sum()))
+    assert kl.exact.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert min(expected) > 0
+    assert torch.equal(kl.sampled, kl_seq.double())
+    assert kl.signal is kl.exact
+
+
+def test_steps_over_kl_bound_are_flagged_and_counted(tmp_path):
+    out = tmp_path / "run"
+    summary = train(tiny_cfg(out, steps=4, kl_bound=0.05, **{**LEASH, "kl_coef": 0.01}), progress=False)
+    records = _records(out)
+    flags = [r["kl_over_bound"] for r in records]
+    assert flags == [r["kl_exact_per_seq"] > 0.05 for r in records]
+    assert flags[0] is False and any(flags)  # step 1: policy == reference, exact KL 0
+    assert summary["steps_over_kl_bound"] == sum(flags)
+    assert {r["kl_signal"] for r in records} == {"exact"}
+
+
+def test_target_controller_resumes_bit_exactly(tmp_path):
+    kw = dict(steps=5, kl_controller="target", **{**LEASH, "checkpoint_every": 1})
+    clean, cut = tmp_path / "clean", tmp_path / "cut"
+    train(tiny_cfg(clean, **kw), progress=False)
+    assert train(tiny_cfg(cut, **kw), progress=False, stop_after=3) == {"stopped_at": 3}
+    state = json.loads((cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "state.json").read_text())
+    assert state["controller"]["num_updates"] == 3
+    train(TrainConfig.from_yaml(cut / "config.yaml"), resume=True, progress=False)
+    assert _metrics(cut) == _metrics(clean)
+    assert len({r["kl_coef"] for r in _metrics(clean)}) > 2  # beta really moved
+    a, b = _weights(clean), _weights(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reward_mode_is_driven_too(tmp_path):
+    out = tmp_path / "run"
+    train(tiny_cfg(out, steps=4, kl_mode="reward", kl_controller="target", **LEASH), progress=False)
+    betas = [r["kl_coef"] for r in _records(out)]
+    assert betas[:2] == [3.0, 3.0] and betas[3] < betas[2] < 3.0  # KL far under target: released
+
+
+def test_sampled_signal_is_the_default_and_skips_the_exact_pass(tmp_path):
+    """Without kl_signal=exact no exact KL is computed: the controller and the bound read the
+    sampled k1 per answer, and the record says so."""
+    out = tmp_path / "run"
+    summary = train(tiny_cfg(out, steps=3, kl_bound=0.05, **{**LEASH, "kl_signal": "sampled", "kl_coef": 0.01}),
+                    progress=False)
+    records = _records(out)
+    assert all("kl_exact_per_seq" not in r and r["kl_signal"] == "sampled" for r in records)
+    assert [r["kl_over_bound"] for r in records] == [r["kl_per_seq"] > 0.05 for r in records]
+    assert summary["steps_over_kl_bound"] == sum(r["kl_over_bound"] for r in records)
