@@ -105,6 +105,15 @@ def test_a_function_that_cannot_take_the_columns_is_told_to_add_kwargs():
         scorer(narrow).score(SAMPLES, "step 1")
 
 
+def test_a_function_needing_a_column_the_dataset_lacks_is_told_which():
+    def wants(prompts, completions, solution, **kw):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"wants \(test file\) needs \['solution'\], which the batch does not have "
+                                          r"\(its arguments: \['answer', 'completion_ids', 'completions', 'level', 'prompts'\]\)"):
+        scorer(wants).score(SAMPLES, "step 1")
+
+
 def test_columns_named_like_the_arguments_are_refused():
     problems = [Problem(chat=[{"role": "user", "content": "q"}], answer="", key="0", columns={"completions": 1})]
     with pytest.raises(RewardError, match=r"dataset columns \['completions'\] have the names"):

@@ -139,8 +139,15 @@ class FunctionScorer:
 
 
 def _call(func: RewardFunction, inputs: dict[str, list], n: int, samples: Samples, where: str) -> Any:
+    signature = inspect.signature(func.fn)
+    missing = [name for name, p in signature.parameters.items() if p.default is p.empty and name not in inputs
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise RewardError(f"reward function {func.name} ({func.origin}) needs {missing}, which the batch does not "
+                          f"have (its arguments: {sorted(inputs)}); add those columns to the dataset or give the "
+                          "parameters defaults.")
     try:
-        inspect.signature(func.fn).bind(**inputs)
+        signature.bind(**inputs)
     except TypeError as exc:
         raise RewardError(f"reward function {func.name} ({func.origin}) cannot take the arguments "
                           f"{sorted(inputs)} by keyword ({exc}); give it a **kwargs parameter.") from exc
