@@ -321,8 +321,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         for step in bar:
             record = train_step(run, step)
             run.metrics.append(record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record.get('accuracy', math.nan):.2f}",
-                            kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
+            accuracy = {"acc": f"{record['accuracy']:.2f}"} if "accuracy" in record else {}  # none in dataset runs
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **accuracy, kl=f"{record['kl_per_seq']:.3f}",
+                            beta=f"{record['kl_coef']:.3g}")
             done = step + 1
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 _save(run, done, extra)
