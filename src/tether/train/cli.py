@@ -119,11 +119,12 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.run:
         cfg = read_run_config(Path(args.run))
-        if cfg.task not in TASKS and not args.trust_task_code:
+        code = [f for f in (None if cfg.task in TASKS else cfg.task, cfg.reward_funcs) if f]
+        if code and not args.trust_task_code:
             # A run directory is data: running the code it names needs the user's say-so.
             raise ValueError(
-                f"{Path(args.run) / 'config.yaml'} names the task file {cfg.task}, which would run as Python "
-                "code. Pass --trust-task-code if you trust that file."
+                f"{Path(args.run) / 'config.yaml'} names the task or reward file {' and '.join(code)}, which would "
+                "run as Python code. Pass --trust-task-code if you trust that file."
             )
     else:
         cfg = TrainConfig().override({"model": args.model, "task": args.task, "out": "runs/eval"})
@@ -135,7 +136,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.run:
         open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"), root=root)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
-                      max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature)
+                      max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
+                      scorer=run.scorer, prompt_format=cfg.prompt_format)
     print(json.dumps(result.as_dict(), indent=1))
     return 0
 
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--task", default="arithmetic", help="Task when no run directory is given.")
     e.add_argument("--eval-size", type=int, default=0, help="Override the held-out set size.")
     e.add_argument("--trust-task-code", action="store_true",
-                   help="Run the task .py file named in RUN's config.yaml (code from the run directory).")
+                   help="Run the task or reward-functions .py file named in RUN's config.yaml (code from the run directory).")
     e.add_argument("--best", action="store_true", help="Score RUN's best checkpoint (best/, kept by eval_every).")
     x = sub.add_parser("export", help="Write a run's policy as a Hugging Face model (or PEFT adapter) directory.")
     x.add_argument("run_dir", metavar="RUN_DIR")

@@ -91,6 +91,15 @@ class TrainConfig:
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
+    # --- data and rewards (tether.train.data, tether.train.rewards)
+    dataset: str = _f("", "Prompts from a .jsonl/.csv/.parquet file or a save_to_disk directory, read offline with `datasets`, instead of --task.")
+    prompt_column: str = _f("prompt", "Dataset column holding each prompt: chat messages or plain text; the other columns reach the reward functions.")
+    prompt_format: str = _f("chat", "'chat' renders prompts with the chat template (text becomes one user turn); 'text' feeds plain text as is (base models).")
+    eval_dataset: str = _f("", "Held-out prompts from this file or directory (same formats as --dataset).")
+    eval_split: float = _f(0.0, "Hold out this fraction of --dataset's rows (a fixed shuffle, never trained on); 0 holds out none.")
+    reward_funcs: str = _f("", "A .py file of reward functions f(prompts, completions, **columns) -> list[float | None] (TRL's convention); runs its code.")
+    reward_weights: str = _f("", "Comma-separated weights of the reward functions, in order (the reward model last); empty weighs each 1.")
+    reward_model: str = _f("", "A local sequence-classification model directory whose end score is one more reward.")
     # --- evaluation
     eval_size: int = _f(150, "Held-out problems scored before and after training (greedy decoding).")
     eval_max_new_tokens: int = _f(20, "Response length limit for evaluation.")
@@ -186,6 +195,7 @@ class TrainConfig:
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
         p.extend(_loop_problems(self))
         p.extend(_task_problem(self.task))
+        p.extend(_data_problems(self))
         if p:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(p))
         return self
@@ -223,6 +233,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
+    from tether.train.data import PROMPT_FORMATS
     from tether.train.devices import DEVICES, DTYPES
     from tether.train.kl_signal import KL_SIGNALS
     from tether.train.schedule import LR_SCHEDULES
@@ -232,7 +243,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
             "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
             "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),
-            "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS}
+            "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}
 
 
 def _unknown_key(key: str, known: Collection[str]) -> str:
@@ -244,6 +255,12 @@ def _unknown_key(key: str, known: Collection[str]) -> str:
     if match in known:
         return f"unknown key {key!r}; did you mean {match!r}?"
     return f"unknown key {key!r}; did you mean {match!r} (TRL's name for {TRL_NAMES[match].target or 'nothing in tether'})?"
+
+
+def _data_problems(cfg: TrainConfig) -> list[str]:
+    from tether.train.data import config_problems
+
+    return config_problems(cfg)
 
 
 def _task_problem(task: str) -> list[str]:

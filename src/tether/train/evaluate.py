@@ -1,6 +1,8 @@
-"""Held-out evaluation: greedy accuracy and the KL to the reference along the answers.
+"""Held-out evaluation: greedy accuracy, reward and the KL to the reference along the answers.
 
-Accuracy uses greedy decoding. The KL reported is the exact full-vocabulary
+Accuracy and reward use greedy decoding; the reward is the run's (the task's own, or the
+reward functions': ``tether.train.rewards``) and accuracy exists only for tasks that define
+correctness (a dataset run has none). With no held-out problem both are None. The KL reported is the exact full-vocabulary
 KL(pi || pi_ref) at every answer token, averaged per token and summed per answer: greedy
 answers are not samples of pi, so a log-ratio estimate along them would not estimate a KL,
 while the exact per-position KL is well defined on any sequence.
@@ -13,12 +15,15 @@ statistics of all episodes go to ``EvalResult.tools``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from tether.models import TransformersWrapper
 from tether.models.scoring import exact_kl_tokens
+from tether.train.data import prompt_batch
+from tether.train.rewards import TaskScorer, samples_from_batch
 from tether.train.tasks import Problem, Task
 
 _EVAL_BATCH = 64
@@ -26,12 +31,14 @@ _EVAL_BATCH = 64
 
 @dataclass
 class EvalResult:
-    accuracy: float
+    accuracy: float | None
     kl_per_token: float
     kl_per_seq: float
     response_length: float
     n: int
     tools: dict[str, float] = field(default_factory=dict)
+    reward: float | None = None  # mean reward over the held-out answers
+    rewards: dict[str, float] = field(default_factory=dict)  # each reward function's mean where it applied
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -42,34 +49,39 @@ def evaluate(
     policy: nn.Module,
     reference: nn.Module | None,
     tokenizer,
-    task: Task,
+    task: Task | Any,
     problems: list[Problem],
     *,
     max_new_tokens: int,
     temperature: float = 1.0,
     with_kl: bool = True,
+    scorer: Any = None,
+    prompt_format: str = "chat",
 ) -> EvalResult:
-    """Greedy accuracy on ``problems`` and (optionally) the exact KL along the answers."""
-    from tether.llm import chat_batch
+    """Greedy accuracy and reward on ``problems`` (``scorer``: the task's reward when None) and
+    (optionally) the exact KL along the answers."""
     from tether.train.tool_rollout import episode_stats, make_tool_rollout, tool_metrics
 
     wrapper = TransformersWrapper(
-        policy, tokenizer, generate=True, temperature=temperature,
-        generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
+        policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
+        temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
     )
     tool_rollout = make_tool_rollout(task, wrapper)
     rollout = wrapper if tool_rollout is None else tool_rollout
     episodes = []
-    correct = 0
+    scorer = TaskScorer(task) if scorer is None else scorer
+    totals, correct, per_function = [], [], []
     kl_sum = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
     for begin in range(0, len(problems), _EVAL_BATCH):
         chunk = problems[begin : begin + _EVAL_BATCH]
-        td = rollout(chat_batch([p.chat for p in chunk], key=("history", "prompt")))
+        td = rollout(prompt_batch(chunk, prompt_format))
         if tool_rollout is not None:
             episodes.append(episode_stats(td))
-        answers = td.get(("text", "response")).tolist()
-        correct += sum(task.correct_value(task.is_correct(a, p)) for a, p in zip(answers, chunk))
+        scores = scorer.score(samples_from_batch(td, chunk), where="held-out evaluation")
+        totals.append(scores.total)
+        correct.append(scores.correct)
+        per_function.append(scores.per_function)
         response = td["masks", "all_assistant_mask"]
         tokens_total += int(response.sum())
         if with_kl and reference is not None:
@@ -78,10 +90,12 @@ def evaluate(
             kl_sum += (kl.double() * response).sum()
     n = len(problems)
     return EvalResult(
-        accuracy=correct / max(n, 1),
+        accuracy=float(torch.cat(correct).mean()) if n and correct[0] is not None else None,
         kl_per_token=float(kl_sum) / max(tokens_total, 1),
         kl_per_seq=float(kl_sum) / max(n, 1),
         response_length=tokens_total / max(n, 1),
         n=n,
         tools=tool_metrics(torch.cat(episodes)) if tool_rollout is not None else {},
+        reward=float(torch.cat(totals).mean()) if n else None,
+        rewards={k: float(torch.cat([f[k] for f in per_function]).nanmean()) for k in (per_function[0] if n else {})},
     )

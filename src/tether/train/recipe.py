@@ -29,7 +29,6 @@ import torch
 from tqdm import tqdm
 
 from tether.control import make_kl_controller
-from tether.llm import chat_batch
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.objectives import GRPOLoss, GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
@@ -37,6 +36,7 @@ from tether.train.best import BestEval, best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
 from tether.train.devices import load_generator_state
+from tether.train.data import check_data, check_prompt_format, dataset_task, prompt_batch
 from tether.train.evaluate import evaluate
 from tether.train.kl_signal import has_exact_kl, measure_kl
 from tether.train.metrics import MetricsLog, plot_metrics
@@ -44,14 +44,11 @@ from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe
                                   start_new_run, write_config)
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import build_models, reference_scorer
+from tether.train.rewards import RewardError, Scores, build_scorer, samples_from_batch
 from tether.train.tasks import Problem, Task, load_task
 from tether.train.tracking import CompletionLog, NullTracker, log_completions, make_tracker
 from tether.train.updates import minibatch_bounds, store_old_log_probs
 from tether.train.tool_rollout import check_tool_task, tool_metrics, tool_rollout, tool_summary
-
-
-class RewardError(ValueError):
-    """A task's reward function raised or returned a non-finite value for a sample."""
 
 
 class NonFiniteUpdateError(ValueError):
@@ -64,7 +61,7 @@ class Run:
 
     cfg: TrainConfig
     dir: Path
-    task: Task
+    task: Any  # a Task, or a tether.train.data.DatasetTask with --dataset
     held_out: list[Problem]
     excluded: set[str]
     models: Any
@@ -81,6 +78,7 @@ class Run:
     scheduler: Any = None  # the learning-rate schedule, stepped once per training step
     best: BestEval | None = None
     tracker: Any = None  # TensorBoard (report_to) or a no-op; opened by train()
+    scorer: Any = None  # tether.train.rewards: the task's reward, or --reward-funcs / --reward-model
 
 
 # ------------------------------------------------------------------------------ set-up
@@ -90,14 +88,17 @@ def build_run(cfg: TrainConfig) -> Run:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    task = load_task(cfg.task)
+    task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
     check_tool_task(task, cfg.workers)
     held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
     tok = models.tokenizer
+    check_prompt_format(cfg.prompt_format, tok, cfg.model)
+    scorer = build_scorer(cfg, task, models.device)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)  # multinomial needs its device's RNG
     sampler = TransformersWrapper(
-        models.policy, tok, generate=True, temperature=cfg.temperature,
+        models.policy, tok, input_mode="history" if cfg.prompt_format == "chat" else "text",
+        generate=True, temperature=cfg.temperature,
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
     )
     actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
@@ -135,7 +136,7 @@ def build_run(cfg: TrainConfig) -> Run:
                                   total_steps=cfg.steps)
     return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
                loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
-               workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir))
+               workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir), scorer=scorer)
 
 
 # ------------------------------------------------------------------------------ one step
@@ -152,34 +153,29 @@ def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
         # reference log-probs through the shared ReferenceService while they are at it.
         chats = [p.chat for p in repeated]
         return run.workers.rollout(run.models.policy, chats, step, reference_updater=run.ref_updater), repeated
-    batch = chat_batch([p.chat for p in repeated], key=("history", "prompt"))
+    batch = prompt_batch(repeated, cfg.prompt_format)
     with torch.no_grad():
         run.sampler(batch)
     return batch, repeated
 
 
-def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Task rewards ``[B]`` and correctness ``[B]``; a failing reward names its sample."""
-    answers = batch.get(("text", "response")).tolist()
-    rewards, correct = [], []
-    for i, (answer, problem) in enumerate(zip(answers, problems)):
-        try:
-            raw = run.task.reward(answer, problem)
-        except Exception as exc:  # the user's reward code: report which sample broke it
-            raise RewardError(
-                f"task {run.task.name!r}: reward raised {type(exc).__name__}: {exc} at step {step}, "
-                f"sample {i} (prompt {problem.chat[-1]['content']!r}, answer {answer!r}). "
-                f"Fix the reward function. {describe_checkpoints(run.dir)}"
-            ) from exc
-        value = run.task.reward_value(raw)
-        if not math.isfinite(value):
-            raise RewardError(
-                f"task {run.task.name!r}: reward returned {value} at step {step}, sample {i} "
-                f"(prompt {problem.chat[-1]['content']!r}, answer {answer!r}); rewards must be finite."
-            )
-        rewards.append(value)
-        correct.append(float(run.task.correct_value(run.task.is_correct(answer, problem))))
-    return torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct)
+def score_batch(run: Run, batch, problems: list[Problem], step: int) -> Scores:
+    """The step's rewards ``[B]``, correctness and per-function values; a failing reward names its sample."""
+    try:
+        return run.scorer.score(samples_from_batch(batch, problems), where=f"step {step + 1}")
+    except RewardError as exc:
+        raise _with_checkpoints(run, exc) from exc
+
+
+def _with_checkpoints(run: Run, exc: RewardError) -> RewardError:
+    """``exc`` followed by what the run directory holds to resume from."""
+    return RewardError(f"{exc} {describe_checkpoints(run.dir)}")
+
+
+def score_rewards(run: Run, batch, problems: list[Problem], step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rewards ``[B]`` and correctness ``[B]`` (None when the task defines none) of ``score_batch``."""
+    scores = score_batch(run, batch, problems, step)
+    return scores.total, scores.correct
 
 
 def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
@@ -271,7 +267,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     cfg = run.cfg
     start = time.perf_counter()
     batch, problems = rollout(run, step)
-    rewards, correct = score_rewards(run, batch, problems, step)
+    scores = score_batch(run, batch, problems, step)
+    rewards = scores.total
     kl_seq = add_advantages(run, batch, rewards)
     # Measured before the update: both KLs then describe the policy that sampled the batch.
     policy = run.models.policy
@@ -292,7 +289,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "step": step + 1,
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
-        "accuracy": float(correct.mean()),
+        **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
+        **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
         **kl.metrics(cfg.kl_bound),
         "kl_coef": kl_coef_used,
         "clip_fraction": opt.get("clip_fraction", 0.0),
@@ -341,6 +339,7 @@ def _restore(run: Run) -> tuple[int, dict[str, Any]]:
     if "lr_scheduler" in ckpt.state:
         run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
     run.best.load_state_dict(ckpt.state.get("best_eval"))
+    check_data(ckpt.state, run.task, ckpt.path)
     run.metrics.truncate_after(ckpt.step)
     CompletionLog(run.dir).truncate_after(ckpt.step)
     write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
@@ -364,12 +363,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             before = state["eval_before"]
         else:
             start_new_run(cfg)
-            before = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
-                              max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                              with_kl=False).as_dict()
+            before = _evaluate(run, None, with_kl=False)
             start = 0
         run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
-        extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint)}
+        extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
+                 "data": getattr(run.task, "fingerprint", None)}
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
                    disable=not progress, dynamic_ncols=True)
         for step in bar:
@@ -378,8 +376,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 _save(run, step + 1, extra, root=best_root(run.dir), keep=1)
             run.metrics.append(record)
             run.tracker.scalars(record)
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['accuracy']:.2f}",
-                            kl=f"{record['kl_per_seq']:.3f}", beta=f"{record['kl_coef']:.3g}")
+            accuracy = {"acc": f"{record['accuracy']:.2f}"} if "accuracy" in record else {}  # none in dataset runs
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **accuracy, kl=f"{record['kl_per_seq']:.3f}",
+                            beta=f"{record['kl_coef']:.3g}")
             done = step + 1
             if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                 _save(run, done, extra)
@@ -387,8 +386,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
                 return {"stopped_at": done}
         if run.workers is not None:
             run.workers.shutdown()  # the final evaluation runs in-process; free the Ray actors first
-        after = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
-                         max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature).as_dict()
+        after = _evaluate(run, run.models.reference)
         summary = _summary(run, before, after, time.perf_counter() - wall)
         (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_metrics(run.dir)
@@ -397,6 +395,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         run.tracker.close()
         if run.workers is not None:
             run.workers.shutdown()  # also when a step raised: the actors hold the cluster's CPUs
+
+
+def _evaluate(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:
+    """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict."""
+    try:
+        return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
+                        max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
+                        with_kl=with_kl, scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
+    except RewardError as exc:
+        raise _with_checkpoints(run, exc) from exc
 
 
 def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:
@@ -409,7 +417,11 @@ def _summary(run: Run, before: dict, after: dict, seconds: float) -> dict[str, A
         "steps": run.cfg.steps,
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
-        "accuracy_gain_points": 100 * (after["accuracy"] - before["accuracy"]),
+        "accuracy_gain_points": None if after["accuracy"] is None else 100 * (after["accuracy"] - before["accuracy"]),
+        "reward_before": before.get("reward"),
+        "reward_after": after.get("reward"),
+        **{f"reward/{name}_{when}": value for when, result in (("before", before), ("after", after))
+           for name, value in result.get("rewards", {}).items()},
         "eval_kl_per_token": after["kl_per_token"],
         "eval_kl_per_seq": after["kl_per_seq"],
         "final_train_kl_per_seq": final_kl,

@@ -52,6 +52,8 @@ class Problem:
     chat: Chat
     answer: str
     key: str  # identity used to keep evaluation problems out of the training stream
+    columns: dict[str, Any] = field(default_factory=dict)  # what reward functions get besides the texts
+    text: str | None = None  # the raw prompt of --prompt-format text (chat is then its one user turn)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,8 @@ def _arithmetic_problem(rng: random.Random) -> Problem:
         a, b = max(a, b), min(a, b)
         op, value = "-", a - b
     question = f"What is {a} {op} {b}?"
-    return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}")
+    return Problem(chat=[{"role": "user", "content": question}], answer=str(value), key=f"{a}{op}{b}",
+                   columns={"answer": str(value)})
 
 
 def last_integer_correct(response: str, problem: Problem) -> bool:
@@ -178,6 +181,17 @@ def _arithmetic_tools() -> Task:
 TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic, "arithmetic-tools": _arithmetic_tools}
 
 
+def load_user_module(path: Path, argument: str) -> Any:
+    """Run the user's Python file ``path`` (named by the config key ``argument``) as a module."""
+    spec = importlib.util.spec_from_file_location(f"tether_user_{argument}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: one line naming the file, not a traceback
+        raise ValueError(f"{argument}: running {path} raised {type(exc).__name__}: {exc}; fix the file.") from exc
+    return module
+
+
 def load_task(name_or_path: str) -> Task:
     """A registered task by name, or the ``TASK`` / ``make_task()`` of a Python file."""
     if name_or_path in TASKS:
@@ -187,9 +201,7 @@ def load_task(name_or_path: str) -> Task:
         raise ValueError(
             f"task: expected one of {sorted(TASKS)} or a path to a .py file, got {name_or_path!r}."
         )
-    spec = importlib.util.spec_from_file_location(f"tether_user_task_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_user_module(path, "task")
     task = getattr(module, "TASK", None)
     if task is None and callable(getattr(module, "make_task", None)):
         task = module.make_task()

@@ -1,0 +1,268 @@
+"""Rewards of a step's samples: the task's own reward, or reward functions and a reward model.
+
+``--reward-funcs FILE.py`` follows TRL's ``GRPOTrainer`` convention: each function is called
+once per batch by keyword, ``f(prompts=..., completions=..., completion_ids=..., **columns)``,
+with one entry per sample in every list (a prompt's dataset columns repeated for each of its
+``G`` answers), and returns one ``float`` or ``None`` per sample. With ``--prompt-format chat``
+a prompt is its list of messages and a completion ``[{"role": "assistant", "content": text}]``;
+with ``text`` both are strings. The functions are the file's ``REWARD_FUNCS`` list, or else
+every public function defined in the file, in order. ``--reward-model DIR`` adds a local
+sequence-classification model (``SequenceRewardModel``) as one more function, named after its
+directory, that scores the prompt and completion rendered as TRL does (chat template of the
+reward model's tokenizer, or the two strings joined).
+
+A sample's reward is ``sum_i w_i r_i`` over the functions that apply to it; ``None`` means
+"does not apply" (TRL's ``nansum``). A sample to which no function applies is an error, not
+a reward of 0 (TRL warns and uses 0): its advantage would be computed from a number nobody
+gave. Each function's mean over the samples it applies to is logged under ``reward/<name>``.
+
+A function that raises, returns a list of the wrong length, something that is not a number,
+or a non-finite number raises ``RewardError`` naming the function, its file and the sample
+(found by calling the function again on each sample alone when the batch call raised).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import reprlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tether.train.tasks import Problem, Task, load_user_module
+
+_RESERVED = ("prompts", "completions", "completion_ids")
+_RM_BATCH = 16
+
+
+class RewardError(ValueError):
+    """A reward function or task reward raised or returned an unusable value for a sample."""
+
+
+@dataclass
+class Samples:
+    """One batch to score: each sample's problem, completion text and completion token ids."""
+
+    problems: list[Problem]
+    completions: list[str]
+    completion_ids: list[list[int]]
+
+
+@dataclass
+class Scores:
+    """Attributes: ``total`` float32 ``[B]`` (the reward the advantages use); ``correct`` float32 ``[B]``
+    or None when the task defines no correctness; ``per_function`` float32 ``[B]`` per function, NaN
+    where it returned None."""
+
+    total: torch.Tensor
+    correct: torch.Tensor | None
+    per_function: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str
+    fn: Callable[..., Any]
+    origin: str  # where it was defined, for error messages
+
+
+def _sample_text(samples: Samples, i: int) -> str:
+    return f"sample {i} (prompt {samples.problems[i].chat[-1]['content']!r}, completion {samples.completions[i]!r})"
+
+
+def _correct(task: Any, samples: Samples) -> torch.Tensor | None:
+    if not isinstance(task, Task):
+        return None
+    return torch.tensor([float(task.correct_value(task.is_correct(c, p)))
+                         for c, p in zip(samples.completions, samples.problems)])
+
+
+class TaskScorer:
+    """The task's own per-sample ``reward`` and ``is_correct``."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def score(self, samples: Samples, where: str) -> Scores:
+        task, rewards = self.task, []
+        for i, (answer, problem) in enumerate(zip(samples.completions, samples.problems)):
+            try:
+                raw = task.reward(answer, problem)
+            except Exception as exc:  # the user's reward code: report which sample broke it
+                raise RewardError(f"task {task.name!r}: reward raised {type(exc).__name__}: {exc} at {where}, "
+                                  f"{_sample_text(samples, i)}. Fix the reward function.") from exc
+            value = task.reward_value(raw)
+            if not math.isfinite(value):
+                raise RewardError(f"task {task.name!r}: reward returned {value} at {where}, "
+                                  f"{_sample_text(samples, i)}; rewards must be finite.")
+            rewards.append(value)
+        return Scores(torch.tensor(rewards, dtype=torch.float32), _correct(task, samples), {})
+
+
+class FunctionScorer:
+    """Weighted reward functions in TRL's convention (see the module docstring)."""
+
+    def __init__(self, functions: list[RewardFunction], weights: list[float], prompt_format: str,
+                 task: Any = None) -> None:
+        self.functions, self.weights, self.prompt_format, self.task = functions, weights, prompt_format, task
+
+    def _inputs(self, samples: Samples) -> dict[str, list]:
+        chat = self.prompt_format == "chat"
+        names = [k for p in samples.problems for k in p.columns]
+        clash = sorted(set(names) & set(_RESERVED))
+        if clash:
+            raise RewardError(f"dataset columns {clash} have the names of the reward functions' own arguments "
+                              f"{list(_RESERVED)}; rename those columns.")
+        columns = {k: [p.columns.get(k) for p in samples.problems] for k in dict.fromkeys(names)}
+        return {"prompts": [p.chat if chat else p.text for p in samples.problems],
+                "completions": [[{"role": "assistant", "content": c}] if chat else c for c in samples.completions],
+                "completion_ids": samples.completion_ids, **columns}
+
+    def score(self, samples: Samples, where: str) -> Scores:
+        inputs, n = self._inputs(samples), len(samples.completions)
+        per_function = {}
+        for func in self.functions:
+            values = _checked_values(func, _call(func, inputs, n, samples, where), n, samples, where)
+            per_function[func.name] = torch.tensor(values, dtype=torch.float64)
+        table = torch.stack([per_function[f.name] for f in self.functions], dim=1)  # [B, F], NaN = None
+        none = table.isnan().all(dim=1).nonzero().flatten().tolist()
+        if none:
+            raise RewardError(f"every reward function ({', '.join(f.name for f in self.functions)}) returned None "
+                              f"for {_sample_text(samples, none[0])} at {where}; at least one must apply to "
+                              "each sample. Make one of them return a number for it.")
+        total = (table * torch.tensor(self.weights, dtype=torch.float64)).nansum(dim=1)
+        return Scores(total.float(), _correct(self.task, samples), {k: v.float() for k, v in per_function.items()})
+
+
+def _call(func: RewardFunction, inputs: dict[str, list], n: int, samples: Samples, where: str) -> Any:
+    signature = inspect.signature(func.fn)
+    missing = [name for name, p in signature.parameters.items() if p.default is p.empty and name not in inputs
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise RewardError(f"reward function {func.name} ({func.origin}) needs {missing}, which the batch does not "
+                          f"have (its arguments: {sorted(inputs)}); add those columns to the dataset or give the "
+                          "parameters defaults.")
+    try:
+        signature.bind(**inputs)
+    except TypeError as exc:
+        raise RewardError(f"reward function {func.name} ({func.origin}) cannot take the arguments "
+                          f"{sorted(inputs)} by keyword ({exc}); give it a **kwargs parameter.") from exc
+    try:
+        return func.fn(**inputs)
+    except Exception as exc:  # user code: find the sample that breaks it
+        culprit = _first_failing(func, inputs, n)
+        which = _sample_text(samples, culprit) if culprit is not None else f"the batch of {n} samples (no sample alone fails)"
+        raise RewardError(f"reward function {func.name} ({func.origin}) raised {type(exc).__name__}: {exc} at "
+                          f"{where} on {which}. Fix the function.") from exc
+
+
+def _first_failing(func: RewardFunction, inputs: dict[str, list], n: int) -> int | None:
+    for i in range(n):
+        try:
+            func.fn(**{k: v[i : i + 1] for k, v in inputs.items()})
+        except Exception:
+            return i
+    return None
+
+
+def _checked_values(func: RewardFunction, out: Any, n: int, samples: Samples, where: str) -> list[float]:
+    head = f"reward function {func.name} ({func.origin}) at {where}"
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise RewardError(f"{head} returned {type(out).__name__} {reprlib.repr(out)}, expected a list of "
+                          f"{n} floats or None (one per sample).")
+    if len(out) != n:
+        raise RewardError(f"{head} returned {len(out)} values for {n} samples; return one float or None per sample.")
+    values = []
+    for i, value in enumerate(out):
+        if value is None:
+            values.append(math.nan)
+            continue
+        if not hasattr(type(value), "__float__") or isinstance(value, (str, bytes)):
+            raise RewardError(f"{head} returned {type(value).__name__} {reprlib.repr(value)} for "
+                              f"{_sample_text(samples, i)}, expected a float or None.")
+        number = float(value)
+        if not math.isfinite(number):
+            raise RewardError(f"{head} returned {number} for {_sample_text(samples, i)}; rewards must be finite "
+                              "(return None where the function does not apply).")
+        values.append(number)
+    return values
+
+
+def load_reward_funcs(path: str) -> list[RewardFunction]:
+    """The file's ``REWARD_FUNCS``, or every public function defined in it, in order."""
+    file = Path(path)
+    module = load_user_module(file, "reward_funcs")
+    chosen = getattr(module, "REWARD_FUNCS", None)
+    if chosen is None:
+        chosen = [v for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_")
+                  and v.__module__ == module.__name__]
+    if not isinstance(chosen, (list, tuple)) or not chosen or not all(callable(f) for f in chosen):
+        raise ValueError(f"reward_funcs: {path} defines no reward function (expected public functions "
+                         f"f(prompts, completions, **kwargs) or a REWARD_FUNCS list of them, got {chosen!r}).")
+    return [RewardFunction(getattr(f, "__name__", type(f).__name__), f, str(file)) for f in chosen]
+
+
+def parse_weights(text: str, names: list[str]) -> list[float]:
+    """``--reward-weights`` as floats, one per function (all 1 when empty)."""
+    if not text.strip():
+        return [1.0] * len(names)
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise ValueError(f"reward_weights: expected comma-separated numbers, got {text!r}.") from None
+    if len(weights) != len(names) or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"reward_weights: expected {len(names)} finite numbers, one for each of {names} in "
+                         f"that order, got {text!r}.")
+    return weights
+
+
+class RewardModelFunction:
+    """A local sequence-classification model as a reward function: its end score per sample."""
+
+    def __init__(self, path: str, prompt_format: str, device: torch.device) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from tether.models import SequenceRewardModel
+
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, local_files_only=True, dtype=torch.float32).to(device).eval()
+        if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"reward_model: {path}'s tokenizer has no chat template to render chat prompts; "
+                             "use a reward model with one, or --prompt-format text.")
+        self.model, self.chat, self.__name__ = SequenceRewardModel(model, tokenizer), prompt_format == "chat", Path(path).name
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **_: Any) -> list[float]:
+        tok = self.model.tokenizer
+        texts = [tok.apply_chat_template(p + c, tokenize=False) if self.chat else p + c
+                 for p, c in zip(prompts, completions)]
+        scores = [self.model.score_texts(texts[i : i + _RM_BATCH]).end_scores for i in range(0, len(texts), _RM_BATCH)]
+        return torch.cat(scores).tolist()
+
+
+def build_scorer(cfg: Any, task: Any, device: torch.device) -> TaskScorer | FunctionScorer:
+    """The task's own reward, or ``cfg.reward_funcs`` and ``cfg.reward_model`` with their weights."""
+    if not (cfg.reward_funcs or cfg.reward_model):
+        return TaskScorer(task)
+    functions = load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else []
+    if cfg.reward_model:
+        functions.append(RewardFunction(Path(cfg.reward_model).name,
+                                        RewardModelFunction(cfg.reward_model, cfg.prompt_format, device),
+                                        cfg.reward_model))
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward_funcs: the reward names {names} repeat; each is logged under its own name, "
+                         "so rename the function (or the reward model's directory).")
+    return FunctionScorer(functions, parse_weights(cfg.reward_weights, names), cfg.prompt_format, task)
+
+
+def samples_from_batch(batch: Any, problems: list[Problem]) -> Samples:
+    """The completions of a sampled batch (``("text", "response")`` and the assistant tokens)."""
+    tokens, mask = batch["tokens", "full"], batch["masks", "all_assistant_mask"]
+    return Samples(problems, batch.get(("text", "response")).tolist(),
+                   [row[m].tolist() for row, m in zip(tokens, mask.bool())])
