@@ -50,6 +50,7 @@ class DatasetTask:
     held_out: tuple[Problem, ...]
     fingerprint: str  # sha256 of the rows as read, so a resume can refuse changed data
     info: dict[str, Any] = field(default_factory=dict)
+    tool_use: None = None  # dataset prompts are single-turn (see tether.train.tasks.Task.tool_use)
 
     def train_problem(self, seed: int, index: int, exclude: Any = ()) -> Problem:
         """Training prompt ``index`` for ``seed``; held-out rows are apart already, so ``exclude`` is unused."""

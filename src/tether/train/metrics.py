@@ -141,6 +141,8 @@ def plotted_panels(config: dict[str, Any], records: list[dict[str, Any]] = ()) -
     """The curves drawn for a run with this config: ``PLOTTED`` less the constant ones, plus
     the optional curves (tool use) that some of its ``records`` carry."""
     constant = constant_panels(config)
+    if records:  # a curve no step logged (accuracy in a dataset run) has nothing to draw
+        constant |= {key for key, _, _ in PLOTTED if not any(key in r for r in records)}
     return [entry for entry in plotted_for(list(records)) if entry[0] not in constant]
 
 
@@ -151,10 +153,10 @@ def _draw_held_out(ax, run_dir: Path, records: list[dict[str, Any]]) -> None:
         ax.plot(*zip(*evals), marker="s", linestyle="--", color="tab:purple", label="held-out (eval_every)")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    if "accuracy_before" in summary:
+    if summary.get("accuracy_before") is not None:
         ax.plot([0], [summary["accuracy_before"]], marker="*", markersize=11, linestyle="", color="tab:green",
                 label=f"held-out before {summary['accuracy_before']:.2f}")
-    if "accuracy_after" in summary:
+    if summary.get("accuracy_after") is not None:
         ax.plot([records[-1]["step"]], [summary["accuracy_after"]], marker="*", markersize=11, linestyle="",
                 color="tab:red", label=f"held-out after {summary['accuracy_after']:.2f}")
     if evals or summary:

@@ -278,7 +278,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     lr = run.optimizer.param_groups[0]["lr"]
     opt = optimize(run, batch, step)
     run.scheduler.step()
-    log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], batch, rewards, correct)
+    log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], batch, rewards, scores.correct)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     kl_coef_used = float(run.coef.kl_coef)

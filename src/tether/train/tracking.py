@@ -96,8 +96,9 @@ def log_completions(run: Any, done: int, prompts: list[str], batch: Any, rewards
     if not due(run.cfg.log_completions_every, done):
         return
     answers = batch.get(("text", "response")).tolist()
+    flags = [None] * len(answers) if correct is None else correct.tolist()  # dataset runs define no correctness
     rows = [{"step": done, "prompt": prompt, "completion": answer, "reward": reward, "correct": ok}
-            for prompt, answer, reward, ok in zip(prompts, answers, rewards.tolist(), correct.tolist())]
+            for prompt, answer, reward, ok in zip(prompts, answers, rewards.tolist(), flags)]
     rows = rows[:COMPLETION_ROWS]
     CompletionLog(run.dir).append(rows)
     run.tracker.completions(done, rows)
