@@ -12,7 +12,7 @@ entries as jagged nested tensors instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDictBase

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
 from tether.models.reference import AdapterDisabledReference
-from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens
+from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
 from tether.ops import (
     TokenStats,

@@ -20,123 +20,34 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from tether.control import make_kl_controller
-from tether.models import ReferenceUpdater, TransformersWrapper
-from tether.objectives import GRPOLoss, GRPOTokenTerms
+from tether.objectives import GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
-from tether.train.best import BestEval, best_root, periodic_eval
+from tether.train.best import best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
 from tether.train.config import TrainConfig
 from tether.train.devices import load_generator_state
-from tether.train.data import check_data, check_prompt_format, dataset_task, prompt_batch
+from tether.train.data import check_data, prompt_batch
 from tether.train.evaluate import evaluate
 from tether.train.kl_signal import has_exact_kl, measure_kl
-from tether.train.metrics import MetricsLog, plot_metrics
+from tether.train.metrics import plot_metrics
 from tether.train.run_dir import (check_new_run_dir, checkpoint_record, describe_checkpoints, open_checkpoint,
                                   start_new_run, write_config)
-from tether.train.schedule import make_lr_scheduler
-from tether.train.setup import build_models, reference_scorer
-from tether.train.rewards import RewardError, Scores, build_scorer, samples_from_batch
-from tether.train.tasks import Problem, Task, load_task
-from tether.train.tracking import CompletionLog, NullTracker, log_completions, make_tracker
+from tether.train.rewards import RewardError, Scores, samples_from_batch
+from tether.train.tasks import Problem
+from tether.train.tracking import CompletionLog, log_completions, make_tracker
 from tether.train.updates import minibatch_bounds, store_old_log_probs
-from tether.train.tool_rollout import check_tool_task, tool_metrics, tool_rollout, tool_summary
+from tether.train.run import Run, build_run
+from tether.train.tool_rollout import tool_metrics, tool_rollout, tool_summary
 
 
 class NonFiniteUpdateError(ValueError):
     """A step's loss or gradient norm is NaN or infinite; the optimizer step was not taken."""
-
-
-@dataclass
-class Run:
-    """Everything a step needs, built once from the config."""
-
-    cfg: TrainConfig
-    dir: Path
-    task: Any  # a Task, or a tether.train.data.DatasetTask with --dataset
-    held_out: list[Problem]
-    excluded: set[str]
-    models: Any
-    sampler: TransformersWrapper
-    ref_scorer: TransformersWrapper
-    loss: GRPOLoss
-    optimizer: torch.optim.Optimizer
-    controller: Any
-    coef: Any  # object whose kl_coef the controller drives
-    ref_updater: ReferenceUpdater | None
-    generator: torch.Generator
-    metrics: MetricsLog
-    workers: Any = None  # tether.ray.RolloutPool when cfg.workers > 0, else rollouts run in-process
-    scheduler: Any = None  # the learning-rate schedule, stepped once per training step
-    best: BestEval | None = None
-    tracker: Any = None  # TensorBoard (report_to) or a no-op; opened by train()
-    scorer: Any = None  # tether.train.rewards: the task's reward, or --reward-funcs / --reward-model
-
-
-# ------------------------------------------------------------------------------ set-up
-def build_run(cfg: TrainConfig) -> Run:
-    cfg.validate()
-    run_dir = Path(cfg.out)  # created by train() once everything has loaded
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
-    check_tool_task(task, cfg.workers)
-    held_out = task.eval_set(cfg.eval_size)
-    models = build_models(cfg)
-    tok = models.tokenizer
-    check_prompt_format(cfg.prompt_format, tok, cfg.model)
-    scorer = build_scorer(cfg, task, models.device)
-    generator = torch.Generator(device=models.device).manual_seed(cfg.seed)  # multinomial needs its device's RNG
-    sampler = TransformersWrapper(
-        models.policy, tok, input_mode="history" if cfg.prompt_format == "chat" else "text",
-        generate=True, temperature=cfg.temperature,
-        generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
-    )
-    actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
-    ref_scorer = reference_scorer(models, cfg)
-    clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
-    loss = GRPOLoss(
-        actor, clip_epsilon=clip, entropy_bonus=True, entropy_coeff=cfg.entropy_coeff,
-        aggregation=cfg.aggregation, kl_estimator=cfg.kl_estimator if cfg.kl_mode == "loss" else "k3",
-        kl_to_ref_coeff=cfg.kl_coef if cfg.kl_mode == "loss" else None,
-        normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
-        ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
-        importance_correction=None if cfg.importance_correction == "none" else cfg.importance_correction,
-    )
-    coef = loss if cfg.kl_mode == "loss" else SimpleNamespace(kl_coef=cfg.kl_coef)
-    if cfg.kl_controller == "adaptive":
-        controller = make_kl_controller("adaptive", init_kl_coef=cfg.kl_coef, target=cfg.kl_target,
-                                        horizon=cfg.kl_horizon, model=coef)
-    elif cfg.kl_controller == "target":
-        controller = make_kl_controller("target", init_kl_coef=cfg.kl_coef, target=cfg.kl_target, model=coef)
-    else:
-        controller = make_kl_controller("constant", kl_coef=cfg.kl_coef, model=coef)
-    trainable = [p for p in models.policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    ref_updater = None
-    if models.movable_reference is not None:
-        alpha = cfg.reference_alpha if cfg.reference_update == "ema" else None
-        ref_updater = ReferenceUpdater(models.policy, models.movable_reference, mode=cfg.reference_update,
-                                       every=cfg.reference_every, alpha=alpha)
-    workers = None
-    if cfg.workers > 0:
-        from tether.train.distributed import start_workers  # Ray is optional: imported only when asked for
-
-        workers = start_workers(cfg)
-    scheduler = make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
-                                  total_steps=cfg.steps)
-    return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
-               loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
-               workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir), scorer=scorer)
 
 
 # ------------------------------------------------------------------------------ one step
