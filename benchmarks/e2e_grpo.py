@@ -199,7 +199,7 @@ def setup_tether(work: dict, info_path: str):
     clock = PhaseClock()
     # train_step looks these up in the module at call time, so wrapping them times each phase.
     recipe.rollout = clock.wrap("sampling", recipe.rollout)
-    recipe.score_rewards = clock.wrap("rewards", recipe.score_rewards)
+    recipe.score_batch = clock.wrap("rewards", recipe.score_batch)
     recipe.add_advantages = clock.wrap("reference", recipe.add_advantages)
     recipe.accumulate_gradients = clock.wrap("loss", recipe.accumulate_gradients)
     counter = itertools.count()

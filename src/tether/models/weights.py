@@ -35,7 +35,8 @@ def load_named(module: nn.Module, state: Mapping[str, Tensor], *, owner: str, fi
     wrong = [f"{n}: {list(state[n].shape)} for {list(params[n].shape)}" for n in sorted(state)
              if state[n].shape != params[n].shape]
     if wrong:
-        raise ValueError(f"tensors for {owner} have other shapes than its parameters ({'; '.join(wrong[:3])}). {fix}")
+        raise ValueError(f"tensors for {owner} have other shapes than its parameters "
+                         f"({'; '.join(wrong[:3])}). {fix}")
     with torch.no_grad():
         for name, value in state.items():
             params[name].copy_(value)

@@ -303,7 +303,7 @@ class ReferenceServer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._load, state, version)
 
     def _load(self, state: dict[str, Tensor], version: str | None) -> int:
-        load_named(self.scorer.model, state, owner="load_weights: the service's reference",
+        load_named(self.scorer.model, state, owner="the service's reference",
                    fix="Send tensors named like the reference's parameters.")
         self._weights_version = None if version is None else str(version)
         return len(state)

@@ -192,7 +192,7 @@ class RolloutWorker:
 
     def load_weights(self, state: dict[str, Tensor]) -> int:
         """Copy named parameters from the learner; returns how many were copied."""
-        return load_named(self.policy, state, owner=f"load_weights: worker {self.index}'s policy",
+        return load_named(self.policy, state, owner=f"worker {self.index}'s policy",
                           fix="Build the workers' policies with the learner's configuration.")
 
     def sample(self, chats: list, seed: int, request_id: str, group: str, group_rows: int) -> RolloutShard:
