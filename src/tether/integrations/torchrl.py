@@ -142,14 +142,15 @@ def _buffer_transform_class() -> type:
             super().__init__(in_keys=list(advantage.in_keys), out_keys=list(advantage.out_keys))
             self.advantage = advantage
 
-        def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
-            return self.advantage.add(tensordict)
+        # Writing to the buffer queues trajectories (and emits completed groups); reading a
+        # sample back only checks that its advantages are there.
+        def _inv_call(self, written: TensorDictBase) -> TensorDictBase | None:
+            return self.advantage.add(written)
 
-        def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-            return self.advantage(tensordict)
+        def _call(self, sampled: TensorDictBase) -> TensorDictBase:
+            return self.advantage(sampled)
 
-        def _call(self, tensordict: TensorDictBase) -> TensorDictBase:
-            return self.advantage(tensordict)
+        forward = _call
 
     return MCAdvantageBufferTransform
 

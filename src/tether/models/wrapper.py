@@ -43,8 +43,9 @@ from tether.models.chat import tokenize_chats
 from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
-from tether.ops import TokenStats, mask_from_lengths
-from tether.ops._vocab_checks import check_temperature, check_token_ids
+from tether.ops import PADDING_SIDES, TokenStats, mask_from_lengths
+from tether.ops.registry import lookup
+from tether.ops._vocab_checks import check_token_ids
 
 INPUT_MODES = ("history", "text", "tokens")
 _GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator"}
@@ -85,6 +86,28 @@ def _prompt_mask_key(td: TensorDictBase) -> tuple[str, str]:
         if ("masks", "all_attention_mask") in keys:
             return ("masks", "all_attention_mask")
     return ("masks", "prompt_attention_mask")
+
+
+def _checked_options(tokenizer: Any, input_mode: str, temperature: float, padding_side: str,
+                     generate_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The wrapper's arguments checked (typed errors naming each); returns the sampling options."""
+    lookup(dict.fromkeys(INPUT_MODES), input_mode, "input_mode")
+    if input_mode != "tokens" and tokenizer is None:
+        raise ValueError(
+            f"tokenizer: input_mode={input_mode!r} needs a tokenizer to render and encode "
+            "inputs, got None. Pass the model's tokenizer or use input_mode='tokens'."
+        )
+    lookup(PADDING_SIDES, padding_side, "padding_side")
+    unknown = set(generate_kwargs or {}) - _GENERATE_OPTIONS
+    if unknown:
+        raise ValueError(
+            f"generate_kwargs: unsupported options {sorted(unknown)}; supported: "
+            f"{sorted(_GENERATE_OPTIONS)}."
+        )
+    options = {"max_new_tokens": _DEFAULT_MAX_NEW_TOKENS, **(generate_kwargs or {})}
+    check_sampling_options(temperature=temperature, max_new_tokens=options["max_new_tokens"],
+                           top_k=options.get("top_k"), top_p=options.get("top_p"))
+    return options
 
 
 class TransformersWrapper(TensorDictModuleBase):
@@ -136,29 +159,7 @@ class TransformersWrapper(TensorDictModuleBase):
         pad_token_id: int | None = None,
     ) -> None:
         super().__init__()
-        if input_mode not in INPUT_MODES:
-            raise ValueError(f"input_mode: expected one of {INPUT_MODES}, got {input_mode!r}.")
-        if input_mode != "tokens" and tokenizer is None:
-            raise ValueError(
-                f"tokenizer: input_mode={input_mode!r} needs a tokenizer to render and encode "
-                "inputs, got None. Pass the model's tokenizer or use input_mode='tokens'."
-            )
-        check_temperature(temperature)
-        if padding_side not in ("left", "right"):
-            raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
-        unknown = set(generate_kwargs or {}) - _GENERATE_OPTIONS
-        if unknown:
-            raise ValueError(
-                f"generate_kwargs: unsupported options {sorted(unknown)}; supported: "
-                f"{sorted(_GENERATE_OPTIONS)}."
-            )
-        options = {"max_new_tokens": _DEFAULT_MAX_NEW_TOKENS, **(generate_kwargs or {})}
-        check_sampling_options(
-            temperature=temperature,
-            max_new_tokens=options["max_new_tokens"],
-            top_k=options.get("top_k"),
-            top_p=options.get("top_p"),
-        )
+        self.generate_kwargs = _checked_options(tokenizer, input_mode, temperature, padding_side, generate_kwargs)
         self.model = model
         self.tokenizer = tokenizer
         self.input_mode = input_mode
@@ -167,7 +168,6 @@ class TransformersWrapper(TensorDictModuleBase):
         self.pad_output = pad_output
         self.log_probs_key = log_probs_key
         self.temperature = float(temperature)
-        self.generate_kwargs = {"max_new_tokens": _DEFAULT_MAX_NEW_TOKENS, **(generate_kwargs or {})}
         self.chunk_size = chunk_size
         self.padding_side = padding_side
         self.token_budget = token_budget

@@ -109,6 +109,24 @@ def aggregate_denominator(mask: Tensor, mode: str) -> Tensor:
     return mask.any(dim=-1).sum()
 
 
+def _check_arguments(values: Tensor, mask: Tensor, mode: str, normalizer, denominator) -> _Mode:
+    """The mode's spec, after every argument check of ``aggregate`` (typed errors naming them)."""
+    spec = _mode(mode)
+    _check_mask(mask)
+    if not isinstance(values, Tensor) or values.shape != mask.shape:
+        got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+        raise ValueError(f"values must be a tensor with the mask's shape {tuple(mask.shape)}; got {got}.")
+    check_same_device("mask", mask, "values", values)
+    if spec.needs_normalizer and normalizer is None:
+        raise ValueError(
+            f"mode={mode!r} needs normalizer (a constant per-row divisor such as the maximal "
+            "response length); pass normalizer=<positive number>."
+        )
+    _check_positive("normalizer", normalizer)
+    _check_positive("denominator", denominator)
+    return spec
+
+
 def aggregate(
     values: Tensor,
     mask: Tensor,
@@ -140,20 +158,7 @@ def aggregate(
     10/6 (token-mean), 1.5 (seq-mean-token-mean), 5 (seq-mean-token-sum) and 1.25
     (seq-mean-token-sum-norm, normalizer 4).
     """
-    spec = _mode(mode)
-    _check_mask(mask)
-    if not isinstance(values, Tensor) or values.shape != mask.shape:
-        got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
-        raise ValueError(f"values must be a tensor with the mask's shape {tuple(mask.shape)}; got {got}.")
-    check_same_device("mask", mask, "values", values)
-    if spec.needs_normalizer and normalizer is None:
-        raise ValueError(
-            f"mode={mode!r} needs normalizer (a constant per-row divisor such as the maximal "
-            "response length); pass normalizer=<positive number>."
-        )
-    _check_positive("normalizer", normalizer)
-    _check_positive("denominator", denominator)
-
+    spec = _check_arguments(values, mask, mode, normalizer, denominator)
     if not values.is_floating_point():
         values = values.to(torch.get_default_dtype())
     kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
