@@ -135,6 +135,38 @@ def _check_row_limits(row_limits: Tensor | None, batch: int, max_new_tokens: int
 
 
 @torch.no_grad()
+def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor, object, Tensor]:
+    """Run the prompts once: last-position logits ``[B, 1, V]``, the KV cache, next positions ``[B, 1]``.
+
+    GRPO repeats each prompt G times, so each distinct prompt is prefilled once and its
+    cache rows are copied to the rows that repeat it.
+    """
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    first, inverse = distinct_rows(prompt_ids.masked_fill(~mask.bool(), -1))
+    share = first.shape[0] < prompt_ids.shape[0]
+    rows = first if share else slice(None)
+    cache = new_cache()
+    logits = model(input_ids=prompt_ids[rows], attention_mask=mask[rows], position_ids=position[rows],
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    if share:
+        logits = logits[inverse]
+        select_cache_rows(cache, inverse)
+    return logits, cache, position[:, -1:] + 1
+
+
+def _draw(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, do_sample: bool,
+          generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """One token per row from ``logits [b, V]`` and its log-prob under ``softmax(logits / T)``
+    (the untruncated tempered distribution, also when top-k/top-p truncates the draw)."""
+    scaled = logits.float() / temperature
+    if do_sample:
+        probs = torch.softmax(_filter_logits(scaled, top_k, top_p), dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    else:
+        token = scaled.argmax(-1)
+    return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
+
 def sample_responses(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -175,39 +207,16 @@ def sample_responses(
     limits = _check_row_limits(row_limits, batch, max_new_tokens, device)
     eos = torch.tensor(sorted(eos_ids), device=device)
     mask = prompt_mask.long()
-    position = (mask.cumsum(-1) - 1).clamp(min=0)
-    # GRPO repeats each prompt G times: prefill each distinct prompt once and copy its cache.
-    keyed = prompt_ids.masked_fill(~prompt_mask.bool(), -1)
-    first, inverse = distinct_rows(keyed)
-    share = first.shape[0] < batch
-    cache = new_cache()
-    out = model(
-        input_ids=prompt_ids[first] if share else prompt_ids,
-        attention_mask=mask[first] if share else mask,
-        position_ids=position[first] if share else position,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[inverse] if share else out.logits
-    if share:
-        select_cache_rows(cache, inverse)
-    next_pos = position[:, -1:] + 1
+    logits, cache, next_pos = _prefill(model, prompt_ids, mask)
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(batch, max_new_tokens, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        scaled = logits[:, -1].float() / temperature
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        if do_sample:
-            probs = torch.softmax(_filter_logits(scaled, top_k, top_p), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        else:
-            token = scaled.argmax(-1)
+        token, token_log_prob = _draw(logits[:, -1], temperature, top_k, top_p, do_sample, generator)
         tokens[alive, step] = token
-        log_probs[alive, step] = logp_all.gather(-1, token[:, None]).squeeze(-1)
+        log_probs[alive, step] = token_log_prob
         lengths[alive] = step + 1
         ended = torch.isin(token, eos)
         finished[alive[ended]] = True
