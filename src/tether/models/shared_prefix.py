@@ -91,6 +91,38 @@ def _positions(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _run_prefixes(
+    decoder: nn.Module, prefix_ids: Tensor, prefix_mask: Tensor, token_budget: int
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]]] | None:
+    """Hidden states ``[U, P, H]`` and per-layer keys/values of the distinct prefixes.
+
+    Each length group runs unpadded (a fully padded query row makes some attention kernels
+    return NaN, whose gradient would leak into real keys) and is then left-padded with zeros
+    to width P; the pad keys are masked for every later query. None when the decoder's cache
+    is not a plain full-attention one.
+    """
+    cut = prefix_ids.shape[1]
+    prefix_len = prefix_mask.sum(-1)
+    hidden_parts: list[Tensor] = []
+    kv_parts: list[list[tuple[Tensor, Tensor]]] = []
+    order: list[Tensor] = []
+    for chunk in plan_equal_length_batches(prefix_len, token_budget):
+        length = int(prefix_len[chunk[0]])
+        cache = new_cache()
+        out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
+        layers = cache_layers(cache)
+        if layers is None:
+            return None
+        pad = cut - length
+        hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
+        kv_parts.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in layers])
+        order.append(chunk)
+    back = torch.argsort(torch.cat(order))  # chunk order -> representative order
+    kv = [(torch.cat([part[i][0] for part in kv_parts])[back], torch.cat([part[i][1] for part in kv_parts])[back])
+          for i in range(len(kv_parts[0]))]
+    return torch.cat(hidden_parts)[back], kv
+
+
 def score_with_shared_prefix(
     decoder: nn.Module,
     head: nn.Module,
@@ -119,38 +151,18 @@ def score_with_shared_prefix(
         return token_stats_from_hidden(hidden, head.weight, labels, temperature=temperature,
                                        lm_head_bias=bias, with_entropy=with_entropy, **kwargs)
 
-    # 1. Distinct prefixes, each length group unpadded (a fully padded query row makes some
-    # attention kernels return NaN, whose gradient would leak into real keys), then
-    # left-padded with zeros to width P; the pad keys are masked for every later query.
     reps = split.representatives
     prefix_ids = tokens[reps, :cut].masked_fill(~mask[reps, :cut], 0)
     prefix_mask = mask[reps, :cut]
-    prefix_len = prefix_mask.sum(-1)
-    hidden_parts: list[Tensor] = []
-    kv_parts: list[list[tuple[Tensor, Tensor]]] = []
-    order: list[Tensor] = []
-    for chunk in plan_equal_length_batches(prefix_len, token_budget):
-        length = int(prefix_len[chunk[0]])
-        cache = new_cache()
-        out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
-        layers = cache_layers(cache)
-        if layers is None:
-            return None
-        pad = cut - length
-        hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
-        kv_parts.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in layers])
-        order.append(chunk)
-    back = torch.argsort(torch.cat(order))  # chunk order -> representative order
-    prefix_hidden = torch.cat(hidden_parts)[back]  # [U, P, H]
-    prefix_kv = [
-        (torch.cat([part[i][0] for part in kv_parts])[back], torch.cat([part[i][1] for part in kv_parts])[back])
-        for i in range(len(kv_parts[0]))
-    ]
+    prefix = _run_prefixes(decoder, prefix_ids, prefix_mask, token_budget)
+    if prefix is None:
+        return None
+    prefix_hidden, prefix_kv = prefix
 
     values: list[TokenStats] = []
     index: list[Tensor] = []
 
-    # 2. Tokens 1..P-1 of each prefix, computed once and copied to every row sharing it.
+    # Tokens 1..P-1 of each prefix, computed once and copied to every row sharing it.
     if cut > 1:
         inner = stats(prefix_hidden[:, :-1], prefix_ids[:, 1:])
         keep = (prefix_mask[:, :-1] & prefix_mask[:, 1:])[split.inverse]  # [B, P-1]
@@ -159,7 +171,7 @@ def score_with_shared_prefix(
         values.append(_gather_rows(inner, split.inverse, keep))
         index.append((rows * width + cols)[keep])
 
-    # 3. Suffixes on top of their prefix's cache; token P is predicted from the prefix.
+    # Suffixes on top of their prefix's cache; token P is predicted from the prefix.
     suffix_len = mask[:, cut:].sum(-1)
     positions = _positions(mask)
     with_suffix = (suffix_len > 0).nonzero().flatten()  # rows ending at column P-1 have none
