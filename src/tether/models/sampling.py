@@ -134,7 +134,6 @@ def _check_row_limits(row_limits: Tensor | None, batch: int, max_new_tokens: int
     return row_limits.to(device=device, dtype=torch.long)
 
 
-@torch.no_grad()
 def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor, object, Tensor]:
     """Run the prompts once: last-position logits ``[B, 1, V]``, the KV cache, next positions ``[B, 1]``.
 
@@ -167,6 +166,7 @@ def _draw(logits: Tensor, temperature: float, top_k: int | None, top_p: float | 
     return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
 
 
+@torch.no_grad()
 def sample_responses(
     model: nn.Module,
     prompt_ids: Tensor,
