@@ -12,6 +12,7 @@ import torch
 
 from tests.llm.naive import naive_logprobs
 from tether.rollout import MultiTurnRollout
+from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, train, train_step
 from tether.train.tasks import TASKS, load_task
@@ -93,3 +94,42 @@ def test_workers_refused_for_tool_tasks():
     with pytest.raises(ValueError, match=r"workers=2: task 'arithmetic-tools' needs multi-turn rollouts.*workers=0"):
         check_tool_task(load_task("arithmetic-tools"), 2)
     check_tool_task(load_task("arithmetic"), 2)
+
+
+def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):
+    """``--max-turns 1``: the first message is the last, so the scripted callers' tool calls are
+    not run (end "max_turns"), no tool turn is written, and every episode has one message;
+    ``--max-episode-tokens`` lands in the task's ``ToolUse`` as its ``max_tokens``."""
+    seen = {}
+    monkeypatch.setattr("tether.train.recipe.train", lambda cfg, **_: seen.setdefault("cfg", cfg) and {})
+    code = main(["train", "--model", "tiny", "--task", "arithmetic-tools", "--max-turns", "1",
+                 "--max-episode-tokens", "900", "--out", str(tmp_path / "r"), "--quiet"])
+    assert code == 0 and (seen["cfg"].max_turns, seen["cfg"].max_episode_tokens) == (1, 900)
+    monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
+    run = build_run(cfg(tmp_path / "run", prompts_per_step=4, max_turns=1, max_episode_tokens=900))
+    assert (run.task.tool_use.max_turns, run.task.tool_use.max_tokens) == (1, 900)
+    record = train_step(run, 0)
+    assert record["tool_call_rate"] == 0.0 and record["turns_per_episode"] == 1.0
+
+
+def test_zero_keeps_the_tasks_own_limits(tmp_path):
+    run = build_run(cfg(tmp_path / "run"))
+    assert run.task.tool_use == load_task("arithmetic-tools").tool_use
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("max_turns", -1, r"max_turns: expected >= 0, got -1"),
+    ("max_episode_tokens", -5, r"max_episode_tokens: expected >= 0, got -5"),
+])
+def test_episode_limits_validated(tmp_path, key, value, match):
+    with pytest.raises(ValueError, match=match):
+        cfg(tmp_path / "run", **{key: value}).validate()
+
+
+def test_episode_limits_refused_where_they_cannot_act(tmp_path):
+    with pytest.raises(ValueError, match=r"max_turns=2, max_episode_tokens=0: task 'arithmetic' is single-turn.*"
+                                         r"set both to 0 or use a tool task"):
+        build_run(cfg(tmp_path / "a", task="arithmetic", max_turns=2))
+    with pytest.raises(ValueError, match=r"max_episode_tokens: a budget of 20 tokens leaves no room to answer "
+                                         r"held-out problem \d+, whose prompt renders to \d+ tokens"):
+        build_run(cfg(tmp_path / "b", max_episode_tokens=20))

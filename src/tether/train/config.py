@@ -53,6 +53,8 @@ class TrainConfig:
     group_size: int = _f(6, "Completions sampled per prompt (G).")
     max_new_tokens: int = _f(20, "Response length limit during training.")
     temperature: float = _f(1.0, "Sampling temperature (also used for every log-prob).")
+    max_turns: int = _f(0, "Tool tasks: most assistant messages per episode (the last one's tool calls are not run); 0 keeps the task's own (arithmetic-tools: 3). Refused for a single-turn task.")
+    max_episode_tokens: int = _f(0, "Tool tasks: most tokens a conversation may hold (prompt, every message and tool result); the episode ends there, its answer marked truncated. 0 keeps the task's own (arithmetic-tools: 512). Refused for a single-turn task.")
     # --- optimisation
     learning_rate: float = _f(2e-4, "AdamW learning rate.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
@@ -173,7 +175,7 @@ class TrainConfig:
         need(self.keep_checkpoints >= 1, f"keep_checkpoints: expected >= 1, got {self.keep_checkpoints}")
         for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
-                     "warmup_steps", "eval_every", "log_completions_every"):
+                     "warmup_steps", "eval_every", "log_completions_every", "max_turns", "max_episode_tokens"):
             need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
         need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")

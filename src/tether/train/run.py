@@ -23,7 +23,7 @@ from tether.train.rewards import build_scorer
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import build_models, reference_scorer
 from tether.train.tasks import Problem, load_task
-from tether.train.tool_rollout import check_tool_task
+from tether.train.tool_rollout import check_tool_task, with_episode_limits
 from tether.train.tracking import NullTracker
 
 
@@ -65,6 +65,7 @@ def build_run(cfg: TrainConfig) -> Run:
     models = build_models(cfg)
     tok = models.tokenizer
     check_prompt_format(cfg.prompt_format, tok, cfg.model)
+    task = with_episode_limits(task, cfg, tok, held_out)
     scorer = build_scorer(cfg, task, models.device)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)  # multinomial needs its device's RNG
     sampler = TransformersWrapper(

@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools in the recipe, for tasks that declare ``tool_use``.
 
-The recipe calls three things from here and is otherwise unchanged: ``tool_rollout`` replaces
+The recipe calls four things from here and is otherwise unchanged: ``with_episode_limits``
+puts the run's ``max_turns`` / ``max_episode_tokens`` into the task's ``ToolUse`` at start-up, ``tool_rollout`` replaces
 the single-turn sampling of a step (the batch carries the same keys, with the assistant mask
 covering every assistant message and the log-probs recorded at sampling), ``tool_metrics``
 adds the step's tool statistics to its metrics line, and ``check_tool_task`` refuses set-ups
@@ -10,16 +11,19 @@ greedy decoding through ``make_tool_rollout``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from tether.llm import chat_batch
 from tether.models import TransformersWrapper
+from tether.models.chat import render_chat_ids
 from tether.rollout import MultiTurnRollout, episode_metrics
 from tether.train.tasks import Problem, Task
 
-__all__ = ["check_tool_task", "episode_stats", "make_tool_rollout", "tool_metrics", "tool_rollout", "tool_summary"]
+__all__ = ["check_tool_task", "episode_stats", "make_tool_rollout", "tool_metrics", "tool_rollout", "tool_summary",
+           "with_episode_limits"]
 
 
 def make_tool_rollout(task: Task, sampler: TransformersWrapper) -> MultiTurnRollout | None:
@@ -37,6 +41,34 @@ def check_tool_task(task: Task, workers: int) -> None:
             f"workers={workers}: task {task.name!r} needs multi-turn rollouts with tools, which run "
             "in-process only; use workers=0."
         )
+
+
+def with_episode_limits(task: Task, cfg: Any, tokenizer: Any, problems: list[Problem]) -> Task:
+    """``task`` with ``cfg.max_turns`` / ``cfg.max_episode_tokens`` in its ``ToolUse`` (0 keeps the task's).
+
+    Checked at start-up: the limits are refused for a single-turn task (they would do nothing),
+    and the token budget must leave room to answer every prompt of ``problems``.
+    """
+    given = {k: v for k, v in (("max_turns", cfg.max_turns), ("max_tokens", cfg.max_episode_tokens)) if v}
+    if task.tool_use is None:
+        if given:
+            raise ValueError(
+                f"max_turns={cfg.max_turns}, max_episode_tokens={cfg.max_episode_tokens}: task {task.name!r} is "
+                "single-turn, so episode limits would do nothing; set both to 0 or use a tool task "
+                "(--task arithmetic-tools)."
+            )
+        return task
+    use = dataclasses.replace(task.tool_use, **given)
+    if use.max_tokens is not None:
+        longest, index = max((len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)), i)
+                             for i, p in enumerate(problems))
+        if longest >= use.max_tokens:
+            raise ValueError(
+                f"max_episode_tokens: a budget of {use.max_tokens} tokens leaves no room to answer held-out "
+                f"problem {index}, whose prompt renders to {longest} tokens; raise it well above {longest} "
+                "(or set 0 to keep the task's own)."
+            )
+    return dataclasses.replace(task, tool_use=use)
 
 
 def tool_rollout(run: Any, problems: list[Problem]):
