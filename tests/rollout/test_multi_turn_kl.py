@@ -1,5 +1,5 @@
-"""Masks and KL across turns on a conversation built by hand: user, assistant (tool call),
-tool, assistant (answer).
+"""Masks and KL across turns on a conversation built by hand with three assistant turns: user,
+assistant (tool call), tool, assistant (a second call), tool, assistant (answer).
 
 With the byte-level test tokenizer every character is one id and every special token one
 id, so the expected mask is written down segment by segment below, independently of the
@@ -22,9 +22,12 @@ from tether.objectives import GRPOLoss
 from tether.ops import kl_k1, kl_k3, reward_to_go
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7*6"}}</tool_call>'
+CHECK = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 CHAT = [
     {"role": "user", "content": "7*6?"},
     {"role": "assistant", "content": CALL},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": CHECK},
     {"role": "tool", "content": "42"},
     {"role": "assistant", "content": "It is 42."},
 ]
@@ -33,6 +36,8 @@ START, END = "<|im_start|>", "<|im_end|>"
 SEGMENTS = [
     (START, False), ("user\n", False), ("7*6?", False), (END, False), ("\n", False),
     (START, False), ("assistant\n", False), (CALL, True), (END, True), ("\n", False),
+    (START, False), ("tool\n", False), ("42", False), (END, False), ("\n", False),
+    (START, False), ("assistant\n", False), (CHECK, True), (END, True), ("\n", False),
     (START, False), ("tool\n", False), ("42", False), (END, False), ("\n", False),
     (START, False), ("assistant\n", False), ("It is 42.", True), (END, True), ("\n", False),
 ]
@@ -47,13 +52,13 @@ def expected_mask() -> torch.Tensor:
 
 def test_expected_mask_by_hand():
     mask = expected_mask()
-    # 4 turns of <|im_start|>, <|im_end|>, "\n" (12 ids); role lines user/assistant/tool/assistant
-    # (5 + 10 + 5 + 10); contents 4 + 81 + 2 + 9. Trained: the 2 assistant contents + 2 <|im_end|>.
-    assert len(CALL) == 81
-    assert mask.numel() == 12 + 30 + 96 == 138
-    assert int(mask.sum()) == len(CALL) + 1 + len("It is 42.") + 1
+    # 6 turns of <|im_start|>, <|im_end|>, "\n" (18 ids); role lines user, 3 x assistant, 2 x tool
+    # (5 + 30 + 10); contents 4 + 81 + 2 + 81 + 2 + 9. Trained: the 3 assistant contents + 3 <|im_end|>.
+    assert len(CALL) == len(CHECK) == 81
+    assert mask.numel() == 18 + 45 + 179 == 242
+    assert int(mask.sum()) == 2 * (len(CALL) + 1) + len("It is 42.") + 1 == 174
     runs = int((mask[1:] & ~mask[:-1]).sum())
-    assert runs == 2
+    assert runs == 3
 
 
 @pytest.mark.parametrize("template", [CHATML, CHATML_GENERATION], ids=["split", "generation-block"])
@@ -93,13 +98,13 @@ def test_retrieve_kl_sums_assistant_tokens_only(models, estimator, fn):
     per_token = torch.where(mask, fn(lp, ref_lp), torch.zeros(()))
     torch.testing.assert_close(kl.double(), per_token, rtol=0, atol=1e-10)
     assert torch.all(kl[~mask] == 0)
-    # Sum over the 2 assistant turns only, and the reward charged per token.
+    # Sum over the 3 assistant turns only, and the reward charged per token.
     torch.testing.assert_close(kl.double().sum(), per_token[mask].sum(), rtol=0, atol=1e-10)
     torch.testing.assert_close(out["reward"][0, :, 0].double(), 1.0 - 0.5 * per_token, rtol=0, atol=1e-10)
 
 
 def test_grpo_kl_loss_is_the_mean_over_assistant_tokens(models):
-    """k3 loss mode: kl_to_ref (token-mean) = mean of k3(logp, ref_logp) over the 2 turns."""
+    """k3 loss mode: kl_to_ref (token-mean) = mean of k3(logp, ref_logp) over the 3 turns."""
     tok, policy, reference = models
     ids, lp, ref_lp = naive(models)
     mask = expected_mask()

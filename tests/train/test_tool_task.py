@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.helpers import make_tokenizer
 from tests.llm.naive import naive_logprobs
 from tether.rollout import MultiTurnRollout
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, train, train_step
 from tether.train.tasks import TASKS, load_task
-from tether.train.tool_rollout import check_tool_task
-from tether.train.tool_task import SYSTEM_PROMPT
+from tether.train.tool_rollout import check_tool_task, with_episode_limits
+from tether.train.tasks import Problem, ToolUse
+from tether.train.tool_task import EXAMPLE, PHRASINGS, SYSTEM_PROMPT
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -25,33 +28,46 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</to
 def cfg(out, **kw) -> TrainConfig:
     base = dict(model="tiny", task="arithmetic-tools", steps=2, out=str(out), prompts_per_step=2, group_size=2,
                 max_new_tokens=96, micro_batch_size=2, eval_size=3, eval_max_new_tokens=8, lora_rank=0,
-                learning_rate=1e-3, checkpoint_every=0, threads=1)
+                learning_rate=1e-3, checkpoint_every=0, threads=1, max_episode_tokens=4000)
     base.update(kw)
     return TrainConfig(**base)
 
 
+def operands(question: str) -> tuple[int, int]:
+    """``(a, b)`` of a question in any of the task's phrasings (the 3-digit one is ``a``)."""
+    x, y = map(int, re.findall(r"\d+", question)[:2])
+    return (x, y) if x >= 100 else (y, x)
+
+
 def test_task_problems_and_reward():
     task = load_task("arithmetic-tools")
-    assert "arithmetic-tools" in TASKS and task.tool_use.tools == ("calculator",) and task.tool_use.max_turns == 3
-    problem = task.train_problem(0, 0, set())
-    a, b = map(int, re.fullmatch(r"What is (\d+) \* (\d+)\?", problem.chat[-1]["content"]).groups())
-    assert 100 <= a <= 999 and 10 <= b <= 99 and problem.answer == str(a * b)
-    assert problem.chat[0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert "arithmetic-tools" in TASKS and task.tool_use == ToolUse(("calculator",), max_turns=3, max_tokens=512)
+    problems = [task.train_problem(0, i, set()) for i in range(40)]
+    questions = [p.chat[-1]["content"] for p in problems]
+    # Each question is one of the phrasings with its operands put back in, and every phrasing occurs.
+    used = {next(i for i, f in enumerate(PHRASINGS) if f.format(a=a, b=b) == q)
+            for q, (a, b) in zip(questions, map(operands, questions))}
+    assert used == set(range(len(PHRASINGS)))
+    problem = problems[0]
+    a, b = operands(questions[0])
+    assert 100 <= a <= 999 and 10 <= b <= 99 and problem.answer == str(a * b) and problem.key == f"{a}*{b}"
+    assert problem.chat[0] == {"role": "system", "content": SYSTEM_PROMPT} and problem.chat[1:5] == EXAMPLE
     assert task.reward(f"The answer is {a * b}.", problem) == 1.0
     assert task.reward(f"{a * b + 1}", problem) == 0.0 and task.reward(CALL % f"{a} * {b}", problem) == 0.0
     assert task.is_correct(f"{a * b:,}", problem)  # thousands separators are read as one number
 
 
 def scripted_turn(self, rows, limits):
-    """Problems with an even ``a`` call the calculator, then answer with its result; the others
-    answer 7. Log-probs are the tiny model's own, so the step is on-policy for forced replies."""
+    """The even rows of the first turn call the calculator, then answer with its result; the odd
+    rows answer 7. With groups of two, each group holds one of each, so every group's rewards
+    differ. Log-probs are the tiny model's own, so the step is on-policy for forced replies."""
     tok, model = self.policy.tokenizer, self.policy.model
     out = []
-    for row, limit in zip(rows, limits):
+    for index, (row, limit) in enumerate(zip(rows, limits)):
         text = tok.decode(row)
-        a, b = re.findall(r"What is (\d+) \* (\d+)\?", text)[-1]  # after the prompt's worked example
+        a, b = operands(text.split("<|im_start|>user")[-1])  # the question, after the worked example
         calls = text.split("<|im_start|>user")[-1].count("<|im_start|>assistant") - 1
-        if int(a) % 2 == 0 or calls:  # the script depends only on the prompt and the turn
+        if index % 2 == 0 or calls:  # later turns hold only the callers
             reply = CALL % f"{a} * {b}" if calls == 0 else re.findall(r"tool\n(\d+)", text)[-1]
         else:
             reply = "7"
@@ -66,15 +82,13 @@ def test_recipe_step_on_scripted_tool_episodes(tmp_path, monkeypatch):
     monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
     run = build_run(cfg(tmp_path / "run", prompts_per_step=4))
     record = train_step(run, 0)
-    problems = [run.task.train_problem(0, i, run.excluded) for i in range(4)]
-    callers = [int(p.answer) for p in problems if int(p.chat[-1]["content"].split()[2]) % 2 == 0]
-    rate = len(callers) / 4
-    assert 0 < rate < 1, "choose a seed with both kinds of problems"
+    rate = 0.5  # one caller in each group of two
     assert record["tool_call_rate"] == rate and record["tool_calls_per_episode"] == rate
     assert record["turns_per_episode"] == 1 + rate and record["tool_error_rate"] == 0.0
     assert record["accuracy"] == rate and record["reward_mean"] == rate
     assert record["kl_per_seq"] == pytest.approx(0.0, abs=1e-4)  # policy == reference before the update
-    assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    # Advantages +-1/sqrt(2) (z-score of [1, 0] with the unbiased std): a real gradient, not rounding noise.
+    assert math.isfinite(record["loss"]) and record["grad_norm"] > 1e-3
 
 
 def test_train_smoke_on_the_tiny_model(tmp_path):
@@ -112,9 +126,14 @@ def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):
     assert record["tool_call_rate"] == 0.0 and record["turns_per_episode"] == 1.0
 
 
-def test_zero_keeps_the_tasks_own_limits(tmp_path):
-    run = build_run(cfg(tmp_path / "run"))
-    assert run.task.tool_use == load_task("arithmetic-tools").tool_use
+def test_zero_keeps_the_tasks_own_limits():
+    """0 keeps the task's value (3 turns, 512 tokens); a set value replaces only its own field."""
+    task, tok = load_task("arithmetic-tools"), make_tokenizer()
+    short = [Problem(chat=[{"role": "user", "content": "What is 2 * 3?"}], answer="6", key="2*3")]
+    limits = lambda turns, tokens: SimpleNamespace(max_turns=turns, max_episode_tokens=tokens)  # noqa: E731
+    assert with_episode_limits(task, limits(0, 0), tok, short).tool_use == task.tool_use
+    assert with_episode_limits(task, limits(2, 0), tok, short).tool_use == ToolUse(("calculator",), 2, 512)
+    assert with_episode_limits(task, limits(0, 99), tok, short).tool_use == ToolUse(("calculator",), 3, 99)
 
 
 @pytest.mark.parametrize("key, value, match", [
@@ -129,7 +148,7 @@ def test_episode_limits_validated(tmp_path, key, value, match):
 def test_episode_limits_refused_where_they_cannot_act(tmp_path):
     with pytest.raises(ValueError, match=r"max_turns=2, max_episode_tokens=0: task 'arithmetic' is single-turn.*"
                                          r"set both to 0 or use a tool task"):
-        build_run(cfg(tmp_path / "a", task="arithmetic", max_turns=2))
+        build_run(cfg(tmp_path / "a", task="arithmetic", max_turns=2, max_episode_tokens=0))
     with pytest.raises(ValueError, match=r"max_episode_tokens: a budget of 20 tokens leaves no room to answer "
                                          r"held-out problem \d+, whose prompt renders to \d+ tokens"):
         build_run(cfg(tmp_path / "b", max_episode_tokens=20))
