@@ -1,12 +1,13 @@
 """Multi-turn rollouts with tools in the recipe, for tasks that declare ``tool_use``.
 
 The recipe calls four things from here and is otherwise unchanged: ``with_episode_limits``
-puts the run's ``max_turns`` / ``max_episode_tokens`` into the task's ``ToolUse`` at start-up, ``tool_rollout`` replaces
-the single-turn sampling of a step (the batch carries the same keys, with the assistant mask
-covering every assistant message and the log-probs recorded at sampling), ``tool_metrics``
-adds the step's tool statistics to its metrics line, and ``check_tool_task`` refuses set-ups
-that cannot run them yet. Evaluation (``tether.train.evaluate``) runs the same rollout with
-greedy decoding through ``make_tool_rollout``.
+puts the run's ``max_turns`` / ``max_episode_tokens`` into the task's ``ToolUse`` at start-up,
+``tool_rollout`` replaces the single-turn sampling of a step (the batch carries the same
+keys, with the assistant mask covering every assistant message and the log-probs recorded at
+sampling), ``tool_metrics`` adds the step's tool statistics to its metrics line, and
+``check_tool_task`` refuses set-ups that cannot run them yet. Evaluation
+(``tether.train.evaluate``) runs the same rollout with greedy decoding through
+``make_tool_rollout``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def with_episode_limits(task: Task, cfg: Any, tokenizer: Any, problems: list[Pro
     use = dataclasses.replace(task.tool_use, **given)
     if use.max_tokens is not None:
         longest, index = max((len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)), i)
-                             for i, p in enumerate(problems))
+                             for i, p in enumerate(problems), default=(0, -1))
         if longest >= use.max_tokens:
             raise ValueError(
                 f"max_episode_tokens: a budget of {use.max_tokens} tokens leaves no room to answer held-out "
