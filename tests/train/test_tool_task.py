@@ -134,6 +134,7 @@ def test_zero_keeps_the_tasks_own_limits():
     assert with_episode_limits(task, limits(0, 0), tok, short).tool_use == task.tool_use
     assert with_episode_limits(task, limits(2, 0), tok, short).tool_use == ToolUse(("calculator",), 2, 512)
     assert with_episode_limits(task, limits(0, 99), tok, short).tool_use == ToolUse(("calculator",), 3, 99)
+    assert with_episode_limits(task, limits(0, 0), tok, []).tool_use == task.tool_use  # --eval-size 0
 
 
 @pytest.mark.parametrize("key, value, match", [
