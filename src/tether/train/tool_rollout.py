@@ -61,8 +61,8 @@ def with_episode_limits(task: Task, cfg: Any, tokenizer: Any, problems: list[Pro
         return task
     use = dataclasses.replace(task.tool_use, **given)
     if use.max_tokens is not None:
-        longest, index = max((len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)), i)
-                             for i, p in enumerate(problems), default=(0, -1))
+        lengths = [len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)) for p in problems]
+        longest, index = max(zip(lengths, range(len(lengths))), default=(0, -1))
         if longest >= use.max_tokens:
             raise ValueError(
                 f"max_episode_tokens: a budget of {use.max_tokens} tokens leaves no room to answer held-out "
