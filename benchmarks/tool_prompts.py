@@ -53,7 +53,7 @@ def measure(model, tok, problems, temperature: float | None, seed: int) -> dict[
     td = MultiTurnRollout(wrapper, ["calculator"], max_turns=3)(chat_batch([c for c, _ in problems], key=("history", "prompt")))
     right = [(found := last_integer(text)) is not None and found[0] == answer
              for text, (_, answer) in zip(td["text", "response"], problems)]
-    return {"accuracy": sum(right) / len(right), **episode_metrics(td), "seconds": time.perf_counter() - start}
+    return {"accuracy": sum(right) / len(right), **episode_metrics(td["episode"]), "seconds": time.perf_counter() - start}
 
 
 def main() -> None:

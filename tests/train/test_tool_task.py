@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -129,12 +130,13 @@ def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):
 def test_zero_keeps_the_tasks_own_limits():
     """0 keeps the task's value (3 turns, 512 tokens); a set value replaces only its own field."""
     task, tok = load_task("arithmetic-tools"), make_tokenizer()
-    short = [Problem(chat=[{"role": "user", "content": "What is 2 * 3?"}], answer="6", key="2*3")]
-    limits = lambda turns, tokens: SimpleNamespace(max_turns=turns, max_episode_tokens=tokens)  # noqa: E731
-    assert with_episode_limits(task, limits(0, 0), tok, short).tool_use == task.tool_use
-    assert with_episode_limits(task, limits(2, 0), tok, short).tool_use == ToolUse(("calculator",), 2, 512)
-    assert with_episode_limits(task, limits(0, 99), tok, short).tool_use == ToolUse(("calculator",), 3, 99)
-    assert with_episode_limits(task, limits(0, 0), tok, []).tool_use == task.tool_use  # --eval-size 0
+    short = Problem(chat=[{"role": "user", "content": "What is 2 * 3?"}], answer="6", key="2*3")
+    task = dataclasses.replace(task, make_problem=lambda rng: short)  # a prompt that fits 99 tokens
+    limits = lambda turns, tokens, n=1: SimpleNamespace(max_turns=turns, max_episode_tokens=tokens, eval_size=n)  # noqa: E731
+    assert with_episode_limits(task, limits(0, 0), tok).tool_use == task.tool_use
+    assert with_episode_limits(task, limits(2, 0), tok).tool_use == ToolUse(("calculator",), 2, 512)
+    assert with_episode_limits(task, limits(0, 99), tok).tool_use == ToolUse(("calculator",), 3, 99)
+    assert with_episode_limits(task, limits(0, 0, n=0), tok).tool_use == task.tool_use  # --eval-size 0
 
 
 @pytest.mark.parametrize("key, value, match", [

@@ -44,11 +44,11 @@ def check_tool_task(task: Task, workers: int) -> None:
         )
 
 
-def with_episode_limits(task: Task, cfg: Any, tokenizer: Any, problems: list[Problem]) -> Task:
+def with_episode_limits(task: Task, cfg: Any, tokenizer: Any) -> Task:
     """``task`` with ``cfg.max_turns`` / ``cfg.max_episode_tokens`` in its ``ToolUse`` (0 keeps the task's).
 
     Checked at start-up: the limits are refused for a single-turn task (they would do nothing),
-    and the token budget must leave room to answer every prompt of ``problems``.
+    and the token budget must leave room to answer every held-out prompt (``cfg.eval_size``).
     """
     given = {k: v for k, v in (("max_turns", cfg.max_turns), ("max_tokens", cfg.max_episode_tokens)) if v}
     if task.tool_use is None:
@@ -61,7 +61,8 @@ def with_episode_limits(task: Task, cfg: Any, tokenizer: Any, problems: list[Pro
         return task
     use = dataclasses.replace(task.tool_use, **given)
     if use.max_tokens is not None:
-        lengths = [len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)) for p in problems]
+        held_out = task.eval_set(cfg.eval_size)
+        lengths = [len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)) for p in held_out]
         longest, index = max(zip(lengths, range(len(lengths))), default=(0, -1))
         if longest >= use.max_tokens:
             raise ValueError(
@@ -86,7 +87,7 @@ def tool_metrics(batch) -> dict[str, float]:
     of a multi-turn batch; nothing for a single-turn one."""
     if ("episode", "turns") not in batch.keys(include_nested=True):
         return {}
-    return episode_metrics(batch)
+    return episode_metrics(batch["episode"])
 
 
 def episode_stats(batch):
