@@ -43,6 +43,7 @@ from tether.train.tasks import Problem
 from tether.train.tracking import CompletionLog, log_completions, make_tracker
 from tether.train.updates import minibatch_bounds, store_old_log_probs
 from tether.train.run import Run, build_run
+from tether.train.sharding import gather_kl, gather_scores, gather_terms
 from tether.train.tool_rollout import tool_metrics, tool_rollout, tool_summary
 
 
@@ -55,7 +56,7 @@ def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
     """Sample ``group_size`` answers for each of the step's problems."""
     cfg = run.cfg
     first = step * cfg.prompts_per_step
-    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in range(cfg.prompts_per_step)]
+    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in run.ranks.share(cfg.prompts_per_step)]
     repeated = [p for p in problems for _ in range(cfg.group_size)]
     if run.task.tool_use is not None:
         return tool_rollout(run, repeated), repeated
@@ -101,7 +102,7 @@ def add_advantages(run: Run, batch, rewards: torch.Tensor) -> torch.Tensor:
             ref_lp = run.ref_scorer.score(tokens, attn).log_probs.to(tokens.device)
     batch.set(("ref_log_probs", "full"), ref_lp)
     log_ratio = (batch["log_probs", "full"] - ref_lp) * mask
-    groups = torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size)
+    groups = torch.arange(rewards.numel() // cfg.group_size).repeat_interleave(cfg.group_size)
     advantage = group_advantages(rewards, groups, mode=cfg.advantage)
     if cfg.kl_mode == "reward":
         # k1 penalty per token; its reward-to-go is added to the outcome advantage.
@@ -121,7 +122,7 @@ def accumulate_gradients(run: Run, batch, kept: list[GRPOTokenTerms] | None = No
     appended to ``kept`` when given (``optimize`` reduces those of all its updates at once).
     """
     cfg = run.cfg
-    denominator = aggregate_denominator(batch["masks", "all_assistant_mask"], cfg.aggregation)
+    denominator = run.ranks.total(aggregate_denominator(batch["masks", "all_assistant_mask"], cfg.aggregation))
     run.optimizer.zero_grad(set_to_none=True)
     kept = [] if kept is None else kept
     start = len(kept)
@@ -133,7 +134,7 @@ def accumulate_gradients(run: Run, batch, kept: list[GRPOTokenTerms] | None = No
 
 
 def _diagnostics(run: Run, kept: list[GRPOTokenTerms]) -> dict[str, float]:
-    out = run.loss.reduce(GRPOTokenTerms.cat(kept))
+    out = run.loss.reduce(gather_terms(run.ranks, GRPOTokenTerms.cat(kept)))
     diagnostics = {name: getattr(out, name) for name in ("clip_fraction", "ESS", "entropy", "kl_to_ref")}
     sums = {name: float(value) for name, value in diagnostics.items() if value is not None}
     sums["loss"] = float(out.total_loss())
@@ -177,29 +178,32 @@ def _update(run: Run, batch, kept: list[GRPOTokenTerms], step: int | None) -> fl
 def train_step(run: Run, step: int) -> dict[str, Any]:
     cfg = run.cfg
     start = time.perf_counter()
-    batch, problems = rollout(run, step)
-    scores = score_batch(run, batch, problems, step)
-    rewards = scores.total
-    kl_seq = add_advantages(run, batch, rewards)
-    # Measured before the update: both KLs then describe the policy that sampled the batch.
-    policy = run.models.policy
-    exact = cfg.kl_signal == "exact" and has_exact_kl(policy)
-    kl = measure_kl(batch, kl_seq, policy=policy if exact else None,
-                    reference=run.models.reference, temperature=cfg.temperature)
+    with run.ranks.unsharded():  # no FSDP collective inside the no-grad passes (tether.train.sharding)
+        batch, problems = rollout(run, step)
+        scores = score_batch(run, batch, problems, step)
+        rewards = scores.total
+        kl_seq = add_advantages(run, batch, rewards)
+        # Measured before the update: both KLs then describe the policy that sampled the batch.
+        policy = run.models.policy
+        exact = cfg.kl_signal == "exact" and has_exact_kl(policy)
+        kl = gather_kl(run.ranks, measure_kl(batch, kl_seq, policy=policy if exact else None,
+                                             reference=run.models.reference, temperature=cfg.temperature))
     lr = run.optimizer.param_groups[0]["lr"]
     opt = optimize(run, batch, step)
     run.scheduler.step()
-    log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], batch, rewards, scores.correct)
+    if run.ranks.writer:
+        log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], batch, rewards, scores.correct)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     kl_coef_used = float(run.coef.kl_coef)
     run.controller.update(kl.signal.tolist())
     mask = batch["masks", "all_assistant_mask"]
+    scores, rewards = gather_scores(run.ranks, scores), None  # every rank's rows from here on
     elapsed = time.perf_counter() - start
     return {
         "step": step + 1,
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
+        "reward_mean": float(scores.total.mean()),
+        "reward_std": float(scores.total.std()),
         **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
         **kl.metrics(cfg.kl_bound),
@@ -207,12 +211,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "clip_fraction": opt.get("clip_fraction", 0.0),
         "ess": opt.get("ESS", float("nan")),
         "entropy": opt.get("entropy", float("nan")),
-        "response_length": float(mask.sum(-1).float().mean()),
+        "response_length": float(run.ranks.rows(mask.sum(-1)).float().mean()),
         "grad_norm": opt["grad_norm"],
         "lr": lr,
         "loss": opt["loss"],
         "step_time": elapsed,
-        "tokens_per_s": float(batch["masks", "all_attention_mask"].sum()) / elapsed,
+        "tokens_per_s": float(run.ranks.total(batch["masks", "all_attention_mask"].sum())) / elapsed,
         **tool_metrics(batch),
     }
 
@@ -231,14 +235,14 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _save(run: Run, step: int, extra: dict[str, Any], *, root: Path | None = None, keep: int | None = None) -> None:
-    rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}
+    rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}  # equal on every rank
     save_checkpoint(root or run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
                     state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference,
                     keep=keep or run.cfg.keep_checkpoints)
 
 
 def _restore(run: Run) -> tuple[int, dict[str, Any]]:
-    ckpt, rng = open_checkpoint(run.cfg, run.models, run.optimizer, set_aside=True)
+    ckpt, rng = open_checkpoint(run.cfg, run.models, run.optimizer, set_aside=run.ranks.writer)
     if ckpt.step > run.cfg.steps:
         raise ValueError(f"steps: {run.cfg.steps} is below the step of {ckpt.path} ({ckpt.step}); "
                          f"a resume can only extend a run, so give steps >= {ckpt.step}.")
@@ -251,9 +255,10 @@ def _restore(run: Run) -> tuple[int, dict[str, Any]]:
         run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
     run.best.load_state_dict(ckpt.state.get("best_eval"))
     check_data(ckpt.state, run.task, ckpt.path)
-    run.metrics.truncate_after(ckpt.step)
-    CompletionLog(run.dir).truncate_after(ckpt.step)
-    write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
+    if run.ranks.writer:
+        run.metrics.truncate_after(ckpt.step)
+        CompletionLog(run.dir).truncate_after(ckpt.step)
+        write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
     return ckpt.step, ckpt.state
 
 
@@ -273,19 +278,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             start, state = _restore(run)
             before = state["eval_before"]
         else:
-            start_new_run(cfg)
+            if run.ranks.writer:
+                start_new_run(cfg)
             before = _evaluate(run, None, with_kl=False)
             start = 0
-        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
+        if run.ranks.writer:
+            run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
         extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
                  "data": getattr(run.task, "fingerprint", None)}
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
-                   disable=not progress, dynamic_ncols=True)
+                   disable=not (progress and run.ranks.writer), dynamic_ncols=True)
         for step in bar:
             record = train_step(run, step)
             if periodic_eval(run, step + 1, record):
                 _save(run, step + 1, extra, root=best_root(run.dir), keep=1)
-            run.metrics.append(record)
+            if run.ranks.writer:
+                run.metrics.append(record)
             run.tracker.scalars(record)
             accuracy = {"acc": f"{record['accuracy']:.2f}"} if "accuracy" in record else {}  # none in dataset runs
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **accuracy, kl=f"{record['kl_per_seq']:.3f}",
@@ -299,8 +307,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             run.workers.shutdown()  # the final evaluation runs in-process; free the Ray actors first
         after = _evaluate(run, run.models.reference)
         summary = _summary(run, before, after, time.perf_counter() - wall)
-        (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        plot_metrics(run.dir)
+        if run.ranks.writer:
+            (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            plot_metrics(run.dir)
         return summary
     finally:
         run.tracker.close()

@@ -5,7 +5,7 @@ written. ``build_run`` is the "config -> models" part of ``tether.train.recipe``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +22,7 @@ from tether.train.metrics import MetricsLog
 from tether.train.rewards import build_scorer
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import build_models, reference_scorer
+from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
 from tether.train.tasks import Problem, load_task
 from tether.train.tool_rollout import check_tool_task
 from tether.train.tracking import NullTracker
@@ -51,10 +52,12 @@ class Run:
     best: BestEval | None = None
     tracker: Any = None  # TensorBoard (report_to) or a no-op; opened by train()
     scorer: Any = None  # tether.train.rewards: the task's reward, or --reward-funcs / --reward-model
+    ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's ranks (tether.train.sharding)
 
 
 def build_run(cfg: TrainConfig) -> Run:
     cfg.validate()
+    ranks = join_ranks(cfg)  # first: a CUDA rank picks its GPU before anything is loaded
     run_dir = Path(cfg.out)  # created by train() once everything has loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -63,6 +66,7 @@ def build_run(cfg: TrainConfig) -> Run:
     check_tool_task(task, cfg.workers)
     held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
+    shard_models(models, ranks)  # before the optimizer takes the parameters
     tok = models.tokenizer
     check_prompt_format(cfg.prompt_format, tok, cfg.model)
     scorer = build_scorer(cfg, task, models.device)
@@ -105,6 +109,9 @@ def build_run(cfg: TrainConfig) -> Run:
         workers = start_workers(cfg)
     scheduler = make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                   total_steps=cfg.steps)
-    return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
-               loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
-               workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir), scorer=scorer)
+    run = Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
+              loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
+              workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir), scorer=scorer,
+              ranks=ranks)
+    share_run(run)
+    return run
