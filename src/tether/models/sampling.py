@@ -13,6 +13,8 @@ recomputes, so importance ratios stay consistent.
 Rows that have emitted an end-of-sequence token are dropped from the batch (and from the
 KV cache) at once, so a batch of mixed response lengths costs close to its real tokens, and
 a prompt repeated ``G`` times (a GRPO group) is prefilled once and its cache copied.
+The loop's only host syncs are the finished-row checks (has every row ended, has any), so
+on a GPU the next step's kernels are queued while nothing else waits on the device.
 
 ``draw`` lets several processes sample one batch together (``tether.train.sharding``): it
 turns this process's rows' probabilities into tokens and says when every process's rows are
@@ -248,7 +250,7 @@ def sample_responses(
         log_probs[alive, step] = token_log_prob
         lengths[alive] = step + 1
         ended = torch.isin(token, eos)
-        finished[alive[ended]] = True
+        finished[alive] = finished[alive] | ended  # no boolean-mask index: no host sync on CUDA
         ended = ended | (limits[alive] <= step + 1)
         if step + 1 == max_new_tokens or draw.all_ended(ended):
             break

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
+from tether.models.packing import packing_supported, score_packed
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
@@ -186,6 +187,9 @@ def _score(
     with_entropy: bool,
 ) -> TokenStats:
     parts = causal_lm_parts(model)
+    if parts.decoder is not None and packing_supported(parts.model):  # varlen attention: no padding at all
+        return score_packed(parts.decoder, parts.head, tokens, attention_mask, temperature=temperature,
+                            chunk_size=chunk_size, with_entropy=with_entropy)
     device = parts.head.weight.device
     batch, width = tokens.shape
     flat_lp: list[Tensor] = []

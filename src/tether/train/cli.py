@@ -94,13 +94,14 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tether.train.launch import launch, needs_launch, settle_nproc
-    from tether.train.recipe import train
 
     try:
         cfg = _config(args)
         cfg = settle_nproc(cfg, given=args.nproc is not None or cfg.nproc != 1).validate()
         if needs_launch(cfg):
             return launch(args.argv, cfg.nproc)
+        from tether.train.recipe import train  # after the launch: the launching process trains nothing
+
         summary = train(cfg, resume=bool(args.resume), progress=not args.quiet)
     except _USER_ERRORS as exc:
         return _fail("train", exc)
