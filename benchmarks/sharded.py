@@ -69,7 +69,9 @@ def measure(args: argparse.Namespace, ranks: int) -> dict:
                "--report", report, "--out", out, *_workload_flags(args)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": str(args.threads)}
-        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{ranks} rank(s) failed:\n{done.stderr[-4000:]}")
         records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
         per_rank = sorted((json.loads(line) for line in Path(report).read_text().splitlines()),
                           key=lambda r: r["rank"])

@@ -9,7 +9,6 @@ about 1e-7 only, and the 1e-10 parity check would measure that instead of the sh
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.train.test_recipe import _metrics, _weights
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.launch import free_port, settle_nproc, torchrun_command
@@ -27,7 +26,6 @@ from tether.train.recipe import train
 from tether.train.sharding import Ranks, config_problems
 
 HERE = Path(__file__).parent
-TIMING_KEYS = {"step_time", "tokens_per_s"}
 SRC = str(HERE.parents[1] / "src")
 
 
@@ -55,16 +53,6 @@ def _sharded(out: Path, **kw) -> Path:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
-
-
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
-    return load_file(str(latest / "policy.safetensors"))
-
-
-def _metrics(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 def _assert_same_run(one: Path, two: Path, tol: float) -> None:
@@ -127,13 +115,14 @@ def test_torchrun_world_size_must_match_nproc(monkeypatch):
 
 
 def test_shared_draw_equals_one_process_when_one_rank_ends_early():
-    """The decode loop on 2 ranks, one of which has no live row for 11 steps (see the script)."""
+    """The decode loop on 2 ranks, one of which has no live row for 11 steps, and a float32
+    FSDP backward (see the script)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(HERE / "sharded_draw_check.py")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.count(": same tokens") == 2
+    assert done.stdout.count(": same tokens") == 2 and done.stdout.count("float32 gradients summed") == 2
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [

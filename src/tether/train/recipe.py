@@ -56,7 +56,8 @@ def rollout(run: Run, step: int) -> tuple[Any, list[Problem]]:
     """Sample ``group_size`` answers for each of the step's problems."""
     cfg = run.cfg
     first = step * cfg.prompts_per_step
-    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in run.ranks.share(cfg.prompts_per_step)]
+    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded)
+                for i in run.ranks.share(cfg.prompts_per_step)]  # this rank's whole groups
     repeated = [p for p in problems for _ in range(cfg.group_size)]
     if run.task.tool_use is not None:
         return tool_rollout(run, repeated), repeated
@@ -198,7 +199,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     kl_coef_used = float(run.coef.kl_coef)
     run.controller.update(kl.signal.tolist())
     mask = batch["masks", "all_assistant_mask"]
-    scores, rewards = gather_scores(run.ranks, scores), None  # every rank's rows from here on
+    scores = gather_scores(run.ranks, scores)  # every rank's rows from here on
     elapsed = time.perf_counter() - start
     return {
         "step": step + 1,

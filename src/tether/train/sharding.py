@@ -213,6 +213,7 @@ def _shard(model: nn.Module, mesh: Any) -> list[tuple[nn.Module, bool]]:
     units.append((fully_shard(inner, mesh=mesh, reshard_after_forward=False), False))
     for unit, _ in units:
         unit.set_gradient_divide_factor(1.0)  # sum over ranks: the losses divide by full-batch counts
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
     decoder.register_forward_pre_hook(_gather_root(inner))
     with torch.no_grad():  # the first forward through the root makes it FSDP's root
         inner(input_ids=torch.zeros(1, 1, dtype=torch.long, device=mesh.device_type))
