@@ -1,11 +1,12 @@
 """The sharded learner on CPU: time per step and peak memory per rank, 1 rank against 2.
 
-Each row runs ``tether.train.recipe.train`` under ``torch.distributed.run`` with N processes
-(gloo, FSDP2; N = 1 is the plain one-process path) on a fixed workload, and each rank reports
-its resident-set high-water mark (``resource.getrusage``: model loading, evaluation and every
-step included) and the RSS right after importing torch and tether (the libraries' share, the
-same in every process). The step time is the median ``step_time`` of the steps after the
-first, as logged by rank 0, so it covers sampling, rewards, reference, loss and optimizer.
+Each row runs ``tether.train.recipe.train_step`` on ``build_run`` under ``torch.distributed.run``
+with N processes (gloo, FSDP2; N = 1 is the plain one-process path) on a fixed workload: one
+warm-up step, then the timed ones. Each rank reports the median wall time of its timed steps
+(the row shows the slowest rank's), its resident-set high-water mark over the timed steps
+(``VmHWM``, restarted after the warm-up through ``/proc/self/clear_refs``) and over its life
+(``resource.getrusage``: model loading included), and its RSS right after importing torch and
+tether (the libraries' share, the same in every process).
 
 On a machine with fewer cores than ranks x threads, 2 ranks cannot be faster than 1: they
 split the same cores and add the gathers and reduce-scatters. What sharding buys on CPU is
@@ -38,24 +39,39 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One rank: train, then append this rank's memory to ``args.report``."""
+    """One rank: build the run, one warm-up step, then the timed steps; append this rank's record."""
+    import time
+
     import torch  # noqa: F401  (the libraries' RSS is read before the model exists)
 
     from tether.train.config import TrainConfig
-    from tether.train.recipe import train
+    from tether.train.recipe import build_run, train_step
 
     libraries = _rss_mib()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = TrainConfig(model=args.model, lora_rank=args.lora_rank, steps=args.steps, out=args.out,
                       prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
-                      micro_batch_size=args.micro_batch, eval_size=2, eval_max_new_tokens=4, threads=args.threads,
-                      checkpoint_every=0, nproc=world, overwrite=True).validate()
-    train(cfg, progress=False)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+                      micro_batch_size=args.micro_batch, threads=args.threads, nproc=world).validate()
+    run = build_run(cfg)
+    train_step(run, 0)
+    with open("/proc/self/clear_refs", "w") as f:  # restart the high-water mark: the timed steps' own peak
+        f.write("5")
+    times = []
+    for step in range(1, args.steps):
+        start = time.perf_counter()
+        train_step(run, step)
+        times.append(time.perf_counter() - start)
+    record = {"rank": int(os.environ.get("RANK", "0")), "step_s": statistics.median(times),
+              "steps_peak_mib": _hwm_mib(), "life_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "libraries_mib": libraries}
     with open(args.report, "a") as f:
-        f.write(json.dumps({"rank": int(os.environ.get("RANK", "0")), "peak_mib": peak, "libraries_mib": libraries})
-                + "\n")
+        f.write(json.dumps(record) + "\n")
 
 
 def measure(args: argparse.Namespace, ranks: int) -> dict:
@@ -72,10 +88,9 @@ def measure(args: argparse.Namespace, ranks: int) -> dict:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{ranks} rank(s) failed:\n{done.stderr[-4000:]}")
-        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
         per_rank = sorted((json.loads(line) for line in Path(report).read_text().splitlines()),
                           key=lambda r: r["rank"])
-    return {"step_s": statistics.median(r["step_time"] for r in records[1:]), "ranks": per_rank}
+    return {"step_s": max(r["step_s"] for r in per_rank), "ranks": per_rank}
 
 
 def _workload_flags(args: argparse.Namespace) -> list[str]:
@@ -85,12 +100,14 @@ def _workload_flags(args: argparse.Namespace) -> list[str]:
 
 
 def table(results: dict[int, dict]) -> str:
-    lines = ["| ranks | s / step (median) | peak RSS per rank (MiB) | of which libraries (MiB) |",
-             "|---|---|---|---|"]
+    lines = ["| ranks | s / step (median) | peak RSS per rank, timed steps (MiB) | peak RSS per rank, process life "
+             "(MiB) | of which libraries (MiB) |", "|---|---|---|---|---|"]
     for n, result in results.items():
-        peaks = "/".join(f"{r['peak_mib']:.0f}" for r in result["ranks"])
-        libs = "/".join(f"{r['libraries_mib']:.0f}" for r in result["ranks"])
-        lines.append(f"| {n} | {result['step_s']:.2f} | {peaks} | {libs} |")
+        def each(key: str) -> str:
+            return "/".join(f"{r[key]:.0f}" for r in result["ranks"])
+
+        lines.append(f"| {n} | {result['step_s']:.2f} | {each('steps_peak_mib')} | {each('life_peak_mib')} | "
+                     f"{each('libraries_mib')} |")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from tether._compat import attention_implementation
 from tether.models.sampling import sample_responses
 from tether.models.scoring import score_tokens
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
@@ -34,13 +35,13 @@ def test_bf16_inputs_reduce_over_the_vocabulary_in_float32():
 
 def test_models_load_with_sdpa_attention(tmp_path):
     models = build_models(TrainConfig(model="tiny", device="cpu", lora_rank=0, out=str(tmp_path)))
-    assert models.policy.config._attn_implementation == "sdpa"
+    assert attention_implementation(models.policy) == "sdpa"
 
 
 @needs_cuda
 def test_bf16_on_cuda_scores_in_float32_with_sdpa(tmp_path):
     models = build_models(TrainConfig(model="tiny", device="cuda", dtype="bfloat16", out=str(tmp_path)))
-    assert models.policy.config._attn_implementation == "sdpa"
+    assert attention_implementation(models.policy) == "sdpa"
     tokens = torch.randint(0, 250, (3, 9), device="cuda")
     stats = score_tokens(models.policy, tokens, torch.ones_like(tokens, dtype=torch.bool))
     assert stats.log_probs.dtype == torch.float32

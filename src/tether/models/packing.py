@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tether._compat import attention_implementation
 from tether.models.score_plan import row_spans, scatter_tokens
 from tether.ops import TokenStats, token_stats_from_hidden
 
@@ -29,8 +30,7 @@ VARLEN_ATTENTION = {"flash_attention_2": "flash_attn", "flash_attention_3": "fla
 
 def packing_supported(model: nn.Module) -> bool:
     """Whether ``model`` attends within packed rows only (a flash-attention kernel that is installed)."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    kernel = VARLEN_ATTENTION.get(impl)
+    kernel = VARLEN_ATTENTION.get(attention_implementation(model))
     return kernel is not None and importlib.util.find_spec(kernel) is not None
 
 
