@@ -128,6 +128,8 @@ def train_config(work: dict, out: str = "runs/bench-e2e"):
     }
     if not work["lora"]:
         values["lora_rank"] = 0
+    if "device" in work:  # benchmarks/gpu_grpo.py: the same workload on a GPU
+        values.update(device=work["device"], dtype=work["dtype"])
     return base.override(values).validate()
 
 
@@ -177,7 +179,14 @@ def _memory() -> dict:
         for line in f:
             if line.startswith("VmHWM:"):
                 hwm = int(line.split()[1]) * 1024
-    return {"hwm": hwm, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {"hwm": hwm, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    import torch
+
+    if torch.cuda.is_initialized():  # the step's peak GPU memory, then a fresh peak for the next step
+        torch.cuda.synchronize()
+        out["gpu_peak"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def _append(path: str, record: dict) -> None:
@@ -208,6 +217,8 @@ def setup_tether(work: dict, info_path: str):
         clock.reset()
         start = time.perf_counter()
         recipe.train_step(run, next(counter))
+        if run.models.device.type == "cuda":
+            torch.cuda.synchronize()
         wall = time.perf_counter() - start
         batch = clock.last["sampling"][0]
         seconds = clock.seconds
@@ -241,7 +252,8 @@ def _trl_args(cfg, work: dict, output_dir: str):
     batch = cfg.prompts_per_step * cfg.group_size
     generation = None if work["natural_lengths"] else {"min_new_tokens": cfg.max_new_tokens}
     return GRPOConfig(
-        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=cfg.seed, max_steps=work["steps"],
+        output_dir=output_dir, use_cpu=work.get("device", "cpu") == "cpu", bf16=work.get("dtype") == "bfloat16",
+        fp16=False, seed=cfg.seed, max_steps=work["steps"],
         # no logging, saving, evaluation or progress bars
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0, shuffle_dataset=False,
@@ -366,7 +378,9 @@ def setup_trl(work: dict, info_path: str):
     clock, counts = PhaseClock(), {}
     gate = _trl_gate(clock)
     output_dir = tempfile.TemporaryDirectory()
-    model, tokenizer = load_default_model()
+    device, dtype = work.get("device", "cpu"), getattr(torch, work.get("dtype", "float32"))
+    model, tokenizer = load_default_model(dtype=dtype)
+    model.to(device)
     trainer = _trl_trainer_class(clock, counts)(
         model=model, reward_funcs=_trl_reward(cfg, problems), args=_trl_args(cfg, work, output_dir.name),
         train_dataset=dataset, processing_class=tokenizer, callbacks=[gate],
@@ -380,6 +394,8 @@ def setup_trl(work: dict, info_path: str):
     def step() -> None:
         gate.go.release()
         gate.done.acquire()
+        if device == "cuda":
+            torch.cuda.synchronize()
         if gate.failure is not None:
             exc = gate.failure
             raise RuntimeError(f"TRL training failed: {type(exc).__name__}: {exc}") from exc

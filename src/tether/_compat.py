@@ -97,6 +97,11 @@ def select_cache_rows(cache: Any, index: Tensor) -> None:
 
 
 # ------------------------------------------------------------------ transformers GGUF loading
+def attention_implementation(model: Any) -> str | None:
+    """The attention kernel a Hugging Face model's config selected (``"sdpa"``, ``"flash_attention_2"``, ...)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def clear_quantizer_marker(model: Any) -> None:
     """Remove the GGUF quantizer bookkeeping from a model whose weights are dense.
 

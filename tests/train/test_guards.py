@@ -15,7 +15,8 @@ from tether.train import recipe
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.metrics import MetricsLog
-from tether.train.recipe import NonFiniteUpdateError, build_run, train
+from tether.train.recipe import build_run, train
+from tether.train.updates import NonFiniteUpdateError
 from tether.train.tasks import TaskError
 
 

@@ -13,6 +13,12 @@ recomputes, so importance ratios stay consistent.
 Rows that have emitted an end-of-sequence token are dropped from the batch (and from the
 KV cache) at once, so a batch of mixed response lengths costs close to its real tokens, and
 a prompt repeated ``G`` times (a GRPO group) is prefilled once and its cache copied.
+The loop's only host syncs are the finished-row checks (has every row ended, has any), so
+on a GPU the next step's kernels are queued while nothing else waits on the device.
+
+``draw`` lets several processes sample one batch together (``tether.train.sharding``): it
+turns this process's rows' probabilities into tokens and says when every process's rows are
+done, so a process whose rows ended early keeps taking part in each step's draw.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from numbers import Real
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +52,26 @@ class SampleOutput:
     mask: Tensor
     log_probs: Tensor
     finished: Tensor
+
+
+class RowDraw(Protocol):
+    """How a decode step turns probabilities into tokens and decides that sampling is over."""
+
+    def tokens(self, probs: Tensor, generator: torch.Generator | None) -> Tensor:
+        """One token id per row of ``probs [b, V]`` (``long [b]``)."""
+
+    def all_ended(self, ended: Tensor) -> bool:
+        """Whether sampling is over, given which of this process's live rows just ended (``bool [b]``)."""
+
+
+class LocalDraw:
+    """The one-process draw: ``torch.multinomial`` over the rows, over when every row has ended."""
+
+    def tokens(self, probs: Tensor, generator: torch.Generator | None) -> Tensor:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    def all_ended(self, ended: Tensor) -> bool:
+        return bool(ended.all())
 
 
 def check_sampling_options(
@@ -154,13 +181,13 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor
 
 
 def _draw(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, do_sample: bool,
-          generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+          generator: torch.Generator | None, draw: RowDraw) -> tuple[Tensor, Tensor]:
     """One token per row from ``logits [b, V]`` and its log-prob under ``softmax(logits / T)``
     (the untruncated tempered distribution, also when top-k/top-p truncates the draw)."""
     scaled = logits.float() / temperature
     if do_sample:
         probs = torch.softmax(_filter_logits(scaled, top_k, top_p), dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = draw.tokens(probs, generator)
     else:
         token = scaled.argmax(-1)
     return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
@@ -181,6 +208,7 @@ def sample_responses(
     do_sample: bool = True,
     generator: torch.Generator | None = None,
     row_limits: Tensor | None = None,
+    draw: RowDraw | None = None,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
@@ -198,6 +226,8 @@ def sample_responses(
         row_limits: optional ``long [B]`` per-row response limits in ``[1, max_new_tokens]``
             (a multi-turn episode's remaining token budget); a row leaves the batch once it
             reaches its limit, like a row that sampled an eos, but is not ``finished``.
+        draw: how tokens are drawn and when sampling ends (None: ``LocalDraw``); a shared
+            draw may leave this process with no live row while others still sample.
     """
     check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
     prompt_mask = check_prompts(prompt_ids, prompt_mask)
@@ -205,6 +235,7 @@ def sample_responses(
     batch = prompt_ids.shape[0]
     device = prompt_ids.device
     limits = _check_row_limits(row_limits, batch, max_new_tokens, device)
+    draw = LocalDraw() if draw is None else draw
     eos = torch.tensor(sorted(eos_ids), device=device)
     mask = prompt_mask.long()
     logits, cache, next_pos = _prefill(model, prompt_ids, mask)
@@ -214,20 +245,23 @@ def sample_responses(
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        token, token_log_prob = _draw(logits[:, -1], temperature, top_k, top_p, do_sample, generator)
+        token, token_log_prob = _draw(logits[:, -1], temperature, top_k, top_p, do_sample, generator, draw)
         tokens[alive, step] = token
         log_probs[alive, step] = token_log_prob
         lengths[alive] = step + 1
         ended = torch.isin(token, eos)
-        finished[alive[ended]] = True
+        finished[alive] = finished[alive] | ended  # no boolean-mask index: no host sync on CUDA
         ended = ended | (limits[alive] <= step + 1)
-        if step + 1 == max_new_tokens or bool(ended.all()):
+        if step + 1 == max_new_tokens or draw.all_ended(ended):
             break
         if bool(ended.any()):
             keep = (~ended).nonzero().flatten()
             select_cache_rows(cache, keep)
             alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        if not alive.numel():  # only under a shared draw: other processes' rows are still sampling
+            logits = logits[:0]
+            continue
         logits = model(
             input_ids=token[:, None],
             attention_mask=mask,

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
+from tether.models.packing import packing_supported, score_packed
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
 from tether.models.score_sink import HeadHidden, ScoredTokens, TokenSink, check_where
@@ -187,6 +188,9 @@ def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, 
 
 
 def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int, sink: TokenSink) -> None:
+    if parts.decoder is not None and packing_supported(parts.model):  # varlen attention: no padding at all
+        score_packed(parts.decoder, tokens, attention_mask, sink)
+        return
     device = parts.head.weight.device
     for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
         labels = mb.ids[:, 1:]

@@ -49,7 +49,7 @@ from tether.ops.registry import lookup
 from tether.ops._vocab_checks import check_token_ids
 
 INPUT_MODES = ("history", "text", "tokens")
-_GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator"}
+_GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator", "draw"}
 _DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -127,7 +127,8 @@ class TransformersWrapper(TensorDictModuleBase):
         log_probs_key: first element of the log-prob keys.
         temperature: sampling temperature, also used for every log-prob.
         generate_kwargs: ``max_new_tokens`` (default 256), ``top_k``, ``top_p``,
-            ``do_sample`` (default True), ``generator`` (a ``torch.Generator``).
+            ``do_sample`` (default True), ``generator`` (a ``torch.Generator``), ``draw`` (a
+            ``tether.models.sampling.RowDraw`` shared by several processes; None samples alone).
         chunk_size: tokens per chunk of the output-head computation.
         device: device the model runs on (default: where its parameters are).
         padding_side: side of the padding in padded outputs.
@@ -290,6 +291,7 @@ class TransformersWrapper(TensorDictModuleBase):
             top_p=opts.get("top_p"),
             do_sample=bool(opts.get("do_sample", True)),
             generator=opts.get("generator"),
+            draw=opts.get("draw"),
         )
         out_device = td.device if td.device is not None else prompt.ids.device
         resp_ids, resp_mask = sample.tokens.to(out_device), sample.mask.to(out_device)

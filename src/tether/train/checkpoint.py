@@ -14,6 +14,12 @@ is replaced, so a process killed at any point leaves the previous checkpoint int
 newest ``keep`` checkpoints are kept, so one damaged file does not end a run: the manifest
 tells a damaged checkpoint (truncated, edited, a file missing) from an intact one, and
 ``newest_intact`` picks the newest intact one. Nothing is pickled.
+
+A sharded learner (``tether.train.sharding``) writes the same files: every rank takes part in
+gathering each sharded tensor in full, rank 0 alone writes them, and loading hands each rank
+its own shard of the full tensors again. So a checkpoint does not depend on the world size;
+a resume still refuses another one (``nproc`` is not a resumable key), because the sums of
+another split round differently and the run would no longer be bit-exact.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tether.models.weights import load_named
+from tether.train.sharding import is_writer
 
 
 MANIFEST = "manifest.json"
@@ -52,8 +60,27 @@ class Checkpoint:
     path: Path
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded one is gathered from every rank (all ranks must call this)."""
+    tensor = tensor.detach()
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).contiguous()
+
+
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A full saved tensor laid out as ``param``: this rank's shard of it when ``param`` is sharded."""
+    if not isinstance(param, DTensor):
+        return value
+    value = value.to(dtype=param.dtype, device=param.device_mesh.device_type)
+    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+
+
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _as_params(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {n: _like(v, params[n]) if n in params else v for n, v in weights.items()}
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -63,17 +90,19 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     for idx, entry in sd["state"].items():
         for name, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"{idx}.{name}"] = value.contiguous()
+                tensors[f"{idx}.{name}"] = _full(value)
             else:
                 scalars[f"{idx}.{name}"] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, Any]] = {}
     for key, value in list(tensors.items()) + list(meta["scalars"].items()):
         idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
+        sharded = torch.is_tensor(value) and int(idx) < len(params) and value.shape == params[int(idx)].shape
+        state.setdefault(int(idx), {})[name] = _like(value, params[int(idx)]) if sharded else value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
@@ -88,18 +117,23 @@ def save_checkpoint(
     reference: nn.Module | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically and drop all but the newest ``keep``."""
+    """Write the checkpoint of ``step`` atomically and drop all but the newest ``keep``.
+
+    Every rank of a sharded learner calls this (the tensors are gathered); rank 0 writes."""
+    weights = _trainable(policy)
+    ref = None if reference is None else {n: _full(p) for n, p in reference.named_parameters()}
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
+    if not is_writer():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(_trainable(policy), str(tmp / "policy.safetensors"))
-    if reference is not None:
-        ref = {n: p.detach().contiguous() for n, p in reference.named_parameters()}
+    save_file(weights, str(tmp / "policy.safetensors"))
+    if ref is not None:
         save_file(ref, str(tmp / "reference.safetensors"))
-    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
     (tmp / "state.json").write_text(json.dumps({"step": step, "optimizer": opt_meta, **state}, indent=1))
@@ -196,10 +230,11 @@ def load_checkpoint(
 ) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
     """Load weights and optimizer state in place; return the JSON state and the RNG tensors."""
     weights = load_file(str(path / "policy.safetensors"))
-    _check_fits(path / "policy.safetensors", weights, _trainable(policy))
-    load_named(policy, weights, owner=f"the policy ({path / 'policy.safetensors'})", fix=_REFIT)
+    _check_fits(path / "policy.safetensors", weights,
+                {n: p for n, p in policy.named_parameters() if p.requires_grad})
+    load_named(policy, _as_params(policy, weights), owner=f"the policy ({path / 'policy.safetensors'})", fix=_REFIT)
     if reference is not None and (path / "reference.safetensors").is_file():
-        load_named(reference, load_file(str(path / "reference.safetensors")),
+        load_named(reference, _as_params(reference, load_file(str(path / "reference.safetensors"))),
                    owner=f"the reference ({path / 'reference.safetensors'})", fix=_REFIT)
     state = read_state(path)
     _restore_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state.pop("optimizer"))

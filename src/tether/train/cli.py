@@ -30,6 +30,7 @@ RECIPES = {"recipe": "recipe", "recipe_ray": "recipe_ray"}
 
 # Exceptions that report a problem with the user's input, files or task, not a bug in tether.
 _USER_ERRORS = (ValueError, KeyError, TaskError, OSError)
+SUBCOMMANDS = ("train", "eval", "export", "plot", "cp")
 
 
 def _train_parser(sub) -> None:
@@ -96,11 +97,21 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
+    from tether.train.launch import launch, needs_launch, settle_nproc
+
     try:
-        cfg = _config(args).validate()
+        cfg = _config(args)
+        cfg = settle_nproc(cfg, given=args.nproc is not None or cfg.nproc != 1).validate()
+        if needs_launch(cfg):
+            if train_fn is not None:
+                raise ValueError(f"nproc={cfg.nproc}: a copied recipe runs in one process (the sharded launch "
+                                 "starts tether's own recipe); drop --nproc, or launch your copy under torchrun.")
+            return launch(args.argv, cfg.nproc)  # the launching process trains nothing
         summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
     except _USER_ERRORS as exc:
         return _fail("train", exc)
+    if int(os.environ.get("RANK", "0")):
+        return 0  # rank 0 alone reports a sharded run
     _print_summary(summary)
     print(f"  run directory              {cfg.out}")
     return 0
@@ -164,12 +175,13 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         cfg = TrainConfig().override({"model": args.model, "task": args.task, "out": "runs/eval"})
     cfg = cfg.override({"eval_size": args.eval_size}) if args.eval_size else cfg
+    cfg = cfg.override({"nproc": 1})  # a sharded run's checkpoint holds whole tensors: one process scores it
     if args.best and not args.run:
         raise ValueError("--best: give the run directory whose best checkpoint to score (tether eval RUN --best).")
     root = best_root(Path(args.run), required=True) if args.best else None
     run = build_run(cfg)
     if args.run:
-        open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size"), root=root)
+        open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size", "nproc"), root=root)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
                       scorer=run.scorer, prompt_format=cfg.prompt_format)
@@ -229,6 +241,7 @@ def main(argv: list[str] | None = None, *, train_fn: Callable[..., dict] | None 
     c.add_argument("dest", metavar="DEST", help="The .py file to write.")
     c.add_argument("--force", action="store_true", help="Replace DEST if it exists.")
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]  # the words after the subcommand
     if unknown:  # reported by the subcommand's parser, which knows its flags for a suggestion
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     handlers = {"train": lambda a: cmd_train(a, train_fn), "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot,

@@ -48,6 +48,7 @@ class TrainConfig:
     ray_address: str = _f("", "Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1.")
     ray_timeout: float = _f(600.0, "Seconds any wait on Ray may last (connecting, actors starting, a step's rollouts) before the run fails.")
     threads: int = _f(0, "torch intra-op threads; 0 keeps torch's default.")
+    nproc: int = _f(1, "Learner processes: N > 1 relaunches under torch.distributed.run and shards the policy with FSDP2 (gloo on CPU, NCCL on CUDA); each rank samples prompts_per_step / N groups.")
     # --- rollout
     prompts_per_step: int = _f(12, "Distinct prompts per step.")
     group_size: int = _f(6, "Completions sampled per prompt (G).")
@@ -198,6 +199,7 @@ class TrainConfig:
         p.extend(_loop_problems(self))
         p.extend(_task_problem(self.task))
         p.extend(_data_problems(self))
+        p.extend(_sharding_problems(self))
         if p:
             raise ValueError("invalid configuration:\n  - " + "\n  - ".join(p))
         return self
@@ -261,6 +263,12 @@ def _unknown_key(key: str, known: Collection[str]) -> str:
 
 def _data_problems(cfg: TrainConfig) -> list[str]:
     from tether.train.data import config_problems
+
+    return config_problems(cfg)
+
+
+def _sharding_problems(cfg: TrainConfig) -> list[str]:
+    from tether.train.sharding import config_problems
 
     return config_problems(cfg)
 

@@ -1,12 +1,11 @@
 """The GRPO recipe with a KL leash, in one process: config -> models -> rollout -> reward ->
 reference -> advantage -> loss -> step -> log, once per step, with exact resume.
 
-Each step draws ``prompts_per_step`` problems and samples ``group_size`` answers to each into a
+Each step samples ``group_size`` answers to each of ``prompts_per_step`` problems into a
 ``StepRecord``; the stages below fill its rewards, reference log-probs and advantages, and
-``updates_per_rollout`` optimizer steps of ``GRPOLoss`` read it, each accumulating gradients
-over micro-batches with full-batch denominators so that an update does not depend on the
-micro-batch size. The KL leash is a gradient-correct loss term (default) or a k1 per-token
-reward penalty with reward-to-go; a controller sets its beta from the measured KL.
+``updates_per_rollout`` optimizer steps of ``GRPOLoss`` read it, accumulating gradients over
+micro-batches against full-batch denominators. The KL leash is a loss term (default) or a k1
+per-token reward penalty with reward-to-go; a controller sets its beta from the measured KL.
 
 Copy this file to change the algorithm (``tether cp recipe my_recipe.py``; run the copy with
 ``python my_recipe.py [tether train flags]``). ``tether.train.recipe_ray`` runs the same
@@ -16,17 +15,15 @@ stages with rollouts on Ray workers.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
 
 from tether.models.step_record import StepRecord
-from tether.objectives import GRPOLossOutput, GRPOTokenTerms
+from tether.objectives import GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
 from tether.rollout import episode_metrics
 from tether.train.best import best_root, periodic_eval
@@ -36,27 +33,25 @@ from tether.train.kl_signal import has_exact_kl, measure_kl
 from tether.train.metrics import plot_metrics
 from tether.train.rewards import RewardError, Samples, Scores
 from tether.train.run import Run, build_run
-from tether.train.run_dir import check_new_run_dir, checkpoint_record, describe_checkpoints, start_new_run
+from tether.train.run_dir import check_new_run_dir, checkpoint_record, start_new_run
 from tether.train.run_state import restore_run, save_run
+from tether.train.sharding import gather_scores, gather_terms
 from tether.train.summary import evaluate_run, summarize, with_checkpoints
 from tether.train.tasks import Problem
 from tether.train.tool_rollout import tool_rollout
 from tether.train.tracking import log_completions, make_tracker
-from tether.train.updates import minibatch_bounds, row_slices, store_old_log_probs
+from tether.train.updates import Update, check_finite_update, minibatch_bounds, row_slices, store_old_log_probs
 
 Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
 
-class NonFiniteUpdateError(ValueError):
-    """A step's loss or gradient norm is NaN or infinite; the optimizer step was not taken."""
-
-
 # ------------------------------------------------------------------------------ stages
 def step_problems(run: Run, step: int) -> list[Problem]:
-    """The step's problems, each repeated ``group_size`` times: a pure function of (seed, step)."""
+    """This rank's share of the step's problems (all of them in one process), each repeated
+    ``group_size`` times: a pure function of (seed, step)."""
     cfg = run.cfg
     first = step * cfg.prompts_per_step
-    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in range(cfg.prompts_per_step)]
+    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in run.ranks.share(cfg.prompts_per_step)]
     return [p for p in problems for _ in range(cfg.group_size)]
 
 
@@ -68,12 +63,12 @@ def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
         td = prompt_batch(problems, run.cfg.prompt_format)
         with torch.no_grad():
             run.sampler(td)
-    return StepRecord.from_tensordict(td, group_ids=group_ids(run.cfg))
+    return StepRecord.from_tensordict(td, group_ids=group_ids(len(problems), run.cfg.group_size))
 
 
-def group_ids(cfg: TrainConfig) -> torch.Tensor:
-    """``[B]`` the group (problem) of each of the step's answers."""
-    return torch.arange(cfg.prompts_per_step).repeat_interleave(cfg.group_size)
+def group_ids(answers: int, group_size: int) -> torch.Tensor:
+    """``[answers]`` the group (problem) of each answer; a group's answers are consecutive."""
+    return torch.arange(answers // group_size).repeat_interleave(group_size)
 
 
 def score_rewards(run: Run, record: StepRecord, problems: list[Problem], step: int) -> Scores:
@@ -95,7 +90,7 @@ def add_reference(run: Run, record: StepRecord) -> None:
         return
     exact = run.cfg.kl_signal == "exact" and has_exact_kl(run.models.policy)
     ref = run.ref_scorer.score(record.tokens, record.attention_mask, where=record.assistant_mask, keep_hidden=exact)
-    record.ref_log_probs, record.ref_hidden = ref.log_probs.to(record.tokens.device), ref.hidden
+    record.ref_log_probs, record.ref_hidden = ref.log_probs.to(record.tokens.device), run.ranks.own(ref.hidden)
 
 
 def add_advantages(run: Run, record: StepRecord) -> None:
@@ -109,16 +104,6 @@ def add_advantages(run: Run, record: StepRecord) -> None:
     record.advantages = advantage.expand_as(mask) * mask
 
 
-@dataclass
-class Update:
-    """What the step's updates report: the loss's output over the whole batch (every update's
-    per-token terms reduced together), the mean gradient norm, and the per-token terms."""
-
-    output: GRPOLossOutput
-    grad_norm: float
-    terms: GRPOTokenTerms
-
-
 def optimize(run: Run, record: StepRecord, step: int) -> Update:
     """Loss and step: ``updates_per_rollout`` optimizer steps over mini-batches of the record."""
     cfg = run.cfg
@@ -127,7 +112,7 @@ def optimize(run: Run, record: StepRecord, step: int) -> Update:
     kept: list[GRPOTokenTerms] = []
     norms = [_update(run, record.rows(begin, end), kept, step)
              for begin, end in minibatch_bounds(len(record), cfg.updates_per_rollout)]
-    terms = GRPOTokenTerms.cat(kept)
+    terms = gather_terms(run.ranks, GRPOTokenTerms.cat(kept))  # every rank's rows
     return Update(run.loss.reduce(terms), sum(norms) / len(norms), terms)
 
 
@@ -137,7 +122,7 @@ def accumulate_gradients(run: Run, record: StepRecord) -> GRPOTokenTerms:
 
     Reducing those terms once over the batch gives every diagnostic of one full-batch call (ESS
     is no token mean, so averaging micro-batch values of it would be wrong)."""
-    denominator = aggregate_denominator(record.assistant_mask, run.cfg.aggregation)
+    denominator = run.ranks.total(aggregate_denominator(record.assistant_mask, run.cfg.aggregation))
     run.optimizer.zero_grad(set_to_none=True)
     kept = []
     for begin, end in row_slices(len(record), run.cfg.micro_batch_size):
@@ -155,11 +140,7 @@ def _update(run: Run, record: StepRecord, kept: list[GRPOTokenTerms], step: int)
     loss = float(run.loss.reduce(kept[-1]).total_loss())
     params = [p for p in run.models.policy.parameters() if p.requires_grad]
     norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf")))
-    if not (math.isfinite(loss) and math.isfinite(norm)):
-        raise NonFiniteUpdateError(
-            f"step {step + 1}: loss {loss}, gradient norm {norm}; the update was not applied, logged or "
-            f"checkpointed. Lower learning_rate, set grad_clip, or check the rewards' scale. {describe_checkpoints(run.dir)}"
-        )
+    check_finite_update(loss, norm, step, run.dir)
     run.optimizer.step()
     return norm
 
@@ -168,24 +149,27 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     cfg = run.cfg
     start = time.perf_counter()
     problems = step_problems(run, step)
-    record = rollout(run, problems, step)
-    scores = score_rewards(run, record, problems, step)
-    add_reference(run, record)
+    with run.ranks.unsharded():  # sharded learner: no FSDP collective inside the no-grad passes
+        record = rollout(run, problems, step)
+        scores = score_rewards(run, record, problems, step)
+        add_reference(run, record)
     add_advantages(run, record)
     kl_coef, lr = float(run.leash.kl_coef), run.optimizer.param_groups[0]["lr"]
     update = optimize(run, record, step)
     run.scheduler.step()
-    kl = measure_kl(record.sequence_log_ratio(), update.terms.kl_to_ref_exact, record.assistant_mask)
+    ranks = run.ranks
+    kl = measure_kl(ranks.rows(record.sequence_log_ratio()), update.terms.kl_to_ref_exact, update.terms.mask)
     run.controller.update(kl.signal.tolist())
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
-    log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], record.responses, record.rewards,
-                    scores.correct)
-    out, elapsed = update.output, time.perf_counter() - start
+    if ranks.writer:  # this rank's rows
+        log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], record.responses, record.rewards,
+                        scores.correct)
+    scores, out, elapsed = gather_scores(ranks, scores), update.output, time.perf_counter() - start
     return {
         "step": step + 1,
-        "reward_mean": float(record.rewards.mean()),
-        "reward_std": float(record.rewards.std()),
+        "reward_mean": float(scores.total.mean()),
+        "reward_std": float(scores.total.std()),
         **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
         **kl.metrics(cfg.kl_bound),
@@ -193,12 +177,12 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         "clip_fraction": float(out.clip_fraction),
         "ess": float(out.ESS),
         "entropy": float(out.entropy) if out.entropy is not None else float("nan"),
-        "response_length": float(record.assistant_mask.sum(-1).float().mean()),
+        "response_length": float(update.terms.mask.sum(-1).float().mean()),
         "grad_norm": update.grad_norm,
         "lr": lr,
         "loss": float(out.total_loss()),
         "step_time": elapsed,
-        "tokens_per_s": float(record.attention_mask.sum()) / elapsed,
+        "tokens_per_s": float(ranks.total(record.attention_mask.sum())) / elapsed,
         **(episode_metrics(record.episode) if record.episode else {}),
     }
 
@@ -213,31 +197,38 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, roll
     if not resume:
         check_new_run_dir(cfg.validate())  # before loading anything: refuse another run's directory
     run = run or build_run(cfg)
+    writer = run.ranks.writer  # a sharded learner's rank 0 alone writes the run directory
     try:
         wall = time.perf_counter()
         if resume:
             start, state = restore_run(run)
             before = state["eval_before"]
         else:
-            start_new_run(cfg)
+            if writer:
+                start_new_run(cfg)
             before, start = evaluate_run(run, None, with_kl=False), 0
-        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
+        if writer:
+            run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
         extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
                  "data": getattr(run.task, "fingerprint", None)}
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
-                   disable=not progress, dynamic_ncols=True)
+                   disable=not (progress and writer), dynamic_ncols=True)
         for step in bar:
             record = train_step(run, step, rollout)
             if periodic_eval(run, step + 1, record):
                 save_run(run, step + 1, extra, root=best_root(run.dir), keep=1)
-            run.metrics.append(record)
+            if writer:
+                run.metrics.append(record)
             run.tracker.scalars(record)
             accuracy = {"acc": f"{record['accuracy']:.2f}"} if "accuracy" in record else {}  # none in dataset runs
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **accuracy, kl=f"{record['kl_per_seq']:.3f}",
                             beta=f"{record['kl_coef']:.3g}")
             if step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
                 save_run(run, step + 1, extra)
-        summary = summarize(run, before, evaluate_run(run, run.models.reference), time.perf_counter() - wall)
+        after = evaluate_run(run, run.models.reference)
+        if not writer:
+            return {}
+        summary = summarize(run, before, after, time.perf_counter() - wall)
         (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
         plot_metrics(run.dir)
         return summary

@@ -22,6 +22,7 @@ from tether.train.metrics import MetricsLog
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import Models, build_models, reference_scorer
+from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
 from tether.train.tasks import Problem, load_task
 from tether.train.tool_rollout import check_tool_task, with_episode_limits
 from tether.train.tracking import NullTracker
@@ -57,6 +58,7 @@ class Run:
     metrics: MetricsLog
     best: BestEval = field(default_factory=BestEval)
     tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
+    ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's processes (tether.train.sharding)
 
     @property
     def excluded(self) -> set[str]:
@@ -85,12 +87,14 @@ def _loss(cfg: TrainConfig, actor: TransformersWrapper) -> GRPOLoss:
 
 def build_run(cfg: TrainConfig) -> Run:
     cfg.validate()
+    ranks = join_ranks(cfg)  # first: a CUDA rank picks its GPU before anything is loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
     check_tool_task(task, cfg.workers)
     models = build_models(cfg)
+    shard_models(models, ranks)  # before the optimizer takes the parameters
     tok = models.tokenizer
     check_prompt_format(cfg.prompt_format, tok, cfg.model)
     task = with_episode_limits(task, cfg, tok)
@@ -111,12 +115,14 @@ def build_run(cfg: TrainConfig) -> Run:
                                        every=cfg.reference_every,
                                        alpha=cfg.reference_alpha if cfg.reference_update == "ema" else None)
     run_dir = Path(cfg.out)  # created by train() once everything has loaded
-    return Run(
+    run = Run(
         cfg=cfg, dir=run_dir, task=task, held_out=task.eval_set(cfg.eval_size), models=models, sampler=sampler,
         ref_scorer=reference_scorer(models, cfg), loss=loss, optimizer=optimizer,
         scheduler=make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                     total_steps=cfg.steps),
         controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,
         scorer=build_scorer(cfg, task, models.device), metrics=MetricsLog(run_dir / "metrics.jsonl"),
-        tracker=NullTracker(run_dir),
+        tracker=NullTracker(run_dir), ranks=ranks,
     )
+    share_run(run)
+    return run

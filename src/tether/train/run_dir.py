@@ -113,6 +113,8 @@ def check_resume_overrides(stored: TrainConfig, cfg: TrainConfig) -> None:
         raise RunDirError(
             f"--resume {stored.out}: cannot change {', '.join(changed)}; a resume may change only "
             f"{', '.join(RESUMABLE_KEYS)}. Start a new run with another --out to change the others."
+            + (" A sharded run resumes on as many processes as it trained on: another split adds its sums in "
+               "another order, so the run would not continue bit-exactly." if stored.nproc != cfg.nproc else "")
         )
     if cfg.overwrite:
         raise RunDirError(f"--resume {stored.out} and --overwrite contradict each other; give one of them.")

@@ -33,7 +33,7 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
 
 def save_run(run: Run, step: int, extra: dict[str, Any], *, root: Path | None = None, keep: int | None = None) -> None:
     """Checkpoint ``run`` after ``step`` steps (``extra``: entries for state.json) under ``root``."""
-    rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}
+    rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}  # equal on every rank
     save_checkpoint(root or run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
                     state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference,
                     keep=keep or run.cfg.keep_checkpoints)
@@ -41,7 +41,7 @@ def save_run(run: Run, step: int, extra: dict[str, Any], *, root: Path | None = 
 
 def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
     """Load the newest intact checkpoint into ``run``; returns its step and state."""
-    ckpt, rng = open_checkpoint(run.cfg, run.models, run.optimizer, set_aside=True)
+    ckpt, rng = open_checkpoint(run.cfg, run.models, run.optimizer, set_aside=run.ranks.writer)
     if ckpt.step > run.cfg.steps:
         raise ValueError(f"steps: {run.cfg.steps} is below the step of {ckpt.path} ({ckpt.step}); "
                          f"a resume can only extend a run, so give steps >= {ckpt.step}.")
@@ -54,7 +54,8 @@ def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
         run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
     run.best.load_state_dict(ckpt.state.get("best_eval"))
     check_data(ckpt.state, run.task, ckpt.path)
-    run.metrics.truncate_after(ckpt.step)
-    CompletionLog(run.dir).truncate_after(ckpt.step)
-    write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
+    if run.ranks.writer:
+        run.metrics.truncate_after(ckpt.step)
+        CompletionLog(run.dir).truncate_after(ckpt.step)
+        write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
     return ckpt.step, ckpt.state

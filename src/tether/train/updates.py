@@ -15,9 +15,38 @@ update, micro-batch by micro-batch.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from tether.objectives import GRPOLossOutput, GRPOTokenTerms
+from tether.train.run_dir import describe_checkpoints
+
+
+@dataclass
+class Update:
+    """What the step's updates report: the loss's output over the whole batch (every update's
+    per-token terms reduced together), the mean gradient norm, and the per-token terms."""
+
+    output: GRPOLossOutput
+    grad_norm: float
+    terms: GRPOTokenTerms
+
+
+class NonFiniteUpdateError(ValueError):
+    """A step's loss or gradient norm is NaN or infinite; the optimizer step was not taken."""
+
+
+def check_finite_update(loss: float, grad_norm: float, step: int, run_dir: Path) -> None:
+    """Raise ``NonFiniteUpdateError`` (naming step ``step + 1`` and the run's checkpoints) unless both are finite."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteUpdateError(
+            f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; the update was not applied, logged or "
+            f"checkpointed. Lower learning_rate, set grad_clip, or check the rewards' scale. {describe_checkpoints(run_dir)}"
+        )
 
 
 def minibatch_bounds(size: int, n: int) -> list[tuple[int, int]]:

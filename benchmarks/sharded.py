@@ -1,0 +1,148 @@
+"""The sharded learner on CPU: time per step and peak memory per rank, 1 rank against 2.
+
+Each row runs ``tether.train.recipe.train_step`` on ``build_run`` under ``torch.distributed.run``
+with N processes (gloo, FSDP2; N = 1 is the plain one-process path) on a fixed workload: one
+warm-up step, then the timed ones. Each rank reports the median wall time of its timed steps
+(the row shows the slowest rank's), its resident-set high-water mark over the timed steps
+(``VmHWM``, restarted after the warm-up through ``/proc/self/clear_refs``) and over its life
+(``resource.getrusage``: model loading included), and its RSS right after importing torch and
+tether (the libraries' share, the same in every process).
+
+On a machine with fewer cores than ranks x threads, 2 ranks cannot be faster than 1: they
+split the same cores and add the gathers and reduce-scatters. What sharding buys on CPU is
+memory per rank: each rank holds half the trainable weights, gradients and optimizer state,
+and half the batch's activations. The rollout, reference and KL passes gather the whole
+weights (``tether.train.sharding``), so a rank's peak still includes one full copy of the
+weights during them.
+
+Usage: ``python benchmarks/sharded.py [--model default --lora-rank 16 | --model tiny --lora-rank 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+SRC = str(HERE.parents[1] / "src")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: build the run, one warm-up step, then the timed steps; append this rank's record."""
+    import time
+
+    import torch  # noqa: F401  (the libraries' RSS is read before the model exists)
+
+    from tether.train.config import TrainConfig
+    from tether.train.recipe import build_run, train_step
+
+    libraries = _rss_mib()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = TrainConfig(model=args.model, lora_rank=args.lora_rank, steps=args.steps, out=args.out,
+                      prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
+                      micro_batch_size=args.micro_batch, threads=args.threads, nproc=world).validate()
+    run = build_run(cfg)
+    train_step(run, 0)
+    with open("/proc/self/clear_refs", "w") as f:  # restart the high-water mark: the timed steps' own peak
+        f.write("5")
+    times = []
+    for step in range(1, args.steps):
+        start = time.perf_counter()
+        train_step(run, step)
+        times.append(time.perf_counter() - start)
+    record = {"rank": int(os.environ.get("RANK", "0")), "step_s": statistics.median(times),
+              "steps_peak_mib": _hwm_mib(), "life_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "libraries_mib": libraries}
+    with open(args.report, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def measure(args: argparse.Namespace, ranks: int) -> dict:
+    """Run the workload on ``ranks`` processes; the logged step times and each rank's memory."""
+    from tether.train.launch import free_port
+
+    with tempfile.TemporaryDirectory() as folder:
+        report, out = os.path.join(folder, "ranks.jsonl"), os.path.join(folder, "run")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(HERE), "--worker",
+               "--report", report, "--out", out, *_workload_flags(args)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{ranks} rank(s) failed:\n{done.stderr[-4000:]}")
+        per_rank = sorted((json.loads(line) for line in Path(report).read_text().splitlines()),
+                          key=lambda r: r["rank"])
+    return {"step_s": max(r["step_s"] for r in per_rank), "ranks": per_rank}
+
+
+def _workload_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--lora-rank", str(args.lora_rank), "--steps", str(args.steps),
+            "--prompts", str(args.prompts), "--group", str(args.group), "--max-new-tokens",
+            str(args.max_new_tokens), "--micro-batch", str(args.micro_batch), "--threads", str(args.threads)]
+
+
+def table(results: dict[int, dict]) -> str:
+    lines = ["| ranks | s / step (median) | peak RSS per rank, timed steps (MiB) | peak RSS per rank, process life "
+             "(MiB) | of which libraries (MiB) |", "|---|---|---|---|---|"]
+    for n, result in results.items():
+        def each(key: str) -> str:
+            return "/".join(f"{r[key]:.0f}" for r in result["ranks"])
+
+        lines.append(f"| {n} | {result['step_s']:.2f} | {each('steps_peak_mib')} | {each('life_peak_mib')} | "
+                     f"{each('libraries_mib')} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or 'tiny'")
+    p.add_argument("--lora-rank", type=int, default=16, help="0 fine-tunes every weight")
+    p.add_argument("--steps", type=int, default=4, help="steps per run; the first is not timed")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step (a multiple of every rank count)")
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--ranks", default="1,2", help="comma-separated rank counts to run")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--report", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    import torch
+
+    counts = [int(n) for n in args.ranks.split(",")]
+    results = {n: measure(args, n) for n in counts}
+    kind = "LoRA rank " + str(args.lora_rank) if args.lora_rank else "full fine-tuning"
+    print(f"GRPO step, model {args.model} ({kind}), float32 on CPU, {args.prompts} prompts x {args.group} answers, "
+          f"max {args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, {args.threads} torch thread(s) per "
+          f"rank, torch {torch.__version__}, {os.cpu_count()} CPU cores; steps 2..{args.steps}\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

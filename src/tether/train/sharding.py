@@ -1,0 +1,276 @@
+"""The sharded learner: FSDP2 over ``torch.distributed`` ranks, one process per rank.
+
+``tether train --nproc N`` (``tether.train.launch``) runs N processes under
+``torch.distributed.run``; each builds the same models from the same seed, then
+``shard_models`` shards the policy, and a reference that is a separate copy, with FSDP2
+(``fully_shard``): each decoder layer is a unit, then the Hugging Face model around them
+(embeddings, final norm, output head) is the root unit. A LoRA policy's default reference is
+the policy with its adapter off, so it is sharded with it. Gradients are summed over ranks,
+not averaged: each rank's loss already divides by the whole batch's denominators
+(``Ranks.total``), so the sum is the gradient of one process holding the whole batch.
+
+Work split: rank r takes a contiguous block of the step's prompts with all G answers of each
+(``Ranks.share``), so group advantages need nothing from other ranks, and the rows of all
+ranks in rank order are the rows one process would have.
+
+Same answers as one process: every rank holds the same seeded sampling generator. At each
+decode step the live rows' probabilities of all ranks are gathered in row order, every rank
+draws the whole batch's tokens with the very ``torch.multinomial`` call one process makes on
+that batch, and keeps its own rows (``SharedDraw``). A rank whose rows have ended keeps taking
+part until every rank's rows have.
+
+No collective depends on data: ``Ranks.unsharded()`` gathers every unit's weights once for the
+step's no-grad passes (sampling, reference, KL), which then run without collectives however
+many decode steps or scoring passes a rank needs. The training passes run one forward per
+micro-batch on every rank (``share_run`` gives the loss's scorer no token budget and no
+shared-prefix split), so FSDP's all-gathers and reduce-scatters line up. Scoring calls the
+decoder and the head weight directly, not the root's forward, so a pre-hook on the decoder
+gathers the root unit first. Evaluation runs the whole held-out set on every rank: the same
+inputs and weights give every rank the same passes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tether.models.reference import AdapterDisabledReference
+from tether.models.score_sink import HeadHidden
+from tether.objectives import GRPOTokenTerms
+from tether.train.devices import resolve_device
+from tether.train.kl_signal import KLMeasurement
+from tether.train.rewards import Scores
+
+
+@dataclass
+class Ranks:
+    """This process's place among the learner's ranks; with ``size`` 1 every method is an identity."""
+
+    size: int = 1
+    rank: int = 0
+    device: torch.device = torch.device("cpu")  # where collectives run (NCCL needs CUDA tensors)
+    units: list[tuple[nn.Module, bool]] = field(default_factory=list)  # FSDP units, reshard after forward?
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes the run directory (rank 0 only)."""
+        return self.rank == 0
+
+    def share(self, count: int) -> range:
+        """This rank's block of ``count`` prompt indices (``count`` divides evenly, see ``config_problems``)."""
+        per = count // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def total(self, value: Tensor) -> Tensor:
+        """``value`` summed over ranks."""
+        if self.size == 1:
+            return value
+        out = value.detach().to(self.device, copy=True)
+        dist.all_reduce(out)
+        return out.to(value.device)
+
+    def parts(self, value: Tensor) -> list[Tensor]:
+        """Every rank's ``value [n_r]`` or ``[n_r, T_r]``, in rank order; a second dimension comes back
+        zero-padded on the right to the widest rank's."""
+        if self.size == 1:
+            return [value]
+        wide = value.dim() == 2
+        shape = torch.tensor([value.shape[0], value.shape[1] if wide else 0], device=self.device)
+        shapes = [torch.zeros_like(shape) for _ in range(self.size)]
+        dist.all_gather(shapes, shape)
+        rows, width = (max(int(s[i]) for s in shapes) for i in (0, 1))
+        sent = value.detach().to(self.device)
+        sent = sent.to(torch.uint8) if sent.dtype == torch.bool else sent  # gloo has no bool collectives
+        padded = sent.new_zeros((rows, width) if wide else (rows,))
+        padded[tuple(slice(0, size) for size in sent.shape)] = sent
+        got = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(got, padded)
+        return [g[: int(s[0])].to(device=value.device, dtype=value.dtype) for g, s in zip(got, shapes)]
+
+    def rows(self, value: Tensor) -> Tensor:
+        """Every rank's rows of ``value`` stacked in rank order (see ``parts``)."""
+        return value if self.size == 1 else torch.cat(self.parts(value))
+
+    def own(self, kept: HeadHidden | None) -> HeadHidden | None:
+        """``kept`` with its own copy of the head weight: the one it points at is a gathered FSDP
+        parameter, whose storage ``unsharded()`` frees on leaving the block."""
+        if self.size == 1 or kept is None:
+            return kept
+        bias = None if kept.bias is None else kept.bias.clone()
+        return replace(kept, weight=kept.weight.clone(), bias=bias)
+
+    @contextmanager
+    def unsharded(self) -> Iterator[None]:
+        """Every FSDP unit's full weights gathered for the block: its forwards need no collective."""
+        for unit, _ in self.units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit, after_forward in self.units:
+                unit.reshard()
+                unit.set_reshard_after_forward(after_forward, recurse=False)
+
+
+class SharedDraw:
+    """A ``tether.models.sampling.RowDraw`` over all ranks: draws as one process would on the whole batch."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+
+    def tokens(self, probs: Tensor, generator: torch.Generator | None) -> Tensor:
+        parts = self.ranks.parts(probs)
+        drawn = torch.multinomial(torch.cat(parts), 1, generator=generator).squeeze(-1)
+        start = sum(part.shape[0] for part in parts[: self.ranks.rank])
+        return drawn[start : start + probs.shape[0]]
+
+    def all_ended(self, ended: Tensor) -> bool:
+        live = self.ranks.total(torch.tensor([int((~ended).sum())], device=ended.device))
+        return int(live) == 0
+
+
+# ------------------------------------------------------------------------------ set-up
+def config_problems(cfg: Any) -> list[str]:
+    """What ``nproc`` cannot be combined with (``TrainConfig.validate`` lists these with the others)."""
+    if cfg.nproc < 1:
+        return [f"nproc: expected >= 1 learner processes, got {cfg.nproc}"]
+    if cfg.nproc == 1:
+        return []
+    n, p = cfg.nproc, []
+    if cfg.prompts_per_step % n:
+        p.append(f"prompts_per_step: {cfg.prompts_per_step} prompts cannot be split into whole groups over "
+                 f"nproc={n} ranks; give a multiple of {n}")
+    if cfg.workers:
+        p.append(f"workers: Ray rollout workers (workers={cfg.workers}) and a sharded learner (nproc={n}) "
+                 "together are not supported; use one of them")
+    if cfg.updates_per_rollout != 1:
+        p.append(f"updates_per_rollout: nproc={n} supports 1 update per rollout (its mini-batches would not "
+                 f"be the one-process ones), got {cfg.updates_per_rollout}")
+    if cfg.reference_update != "fixed":
+        p.append(f"reference_update: nproc={n} supports the fixed reference only, got {cfg.reference_update!r}")
+    return p
+
+
+def join_ranks(cfg: Any) -> Ranks:
+    """Join the process group that ``torch.distributed.run`` started (gloo on CPU, NCCL on CUDA).
+
+    Refuses a world size other than ``cfg.nproc`` (``tether train --nproc N`` starts them).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.nproc:
+        how = ("started under torch.distributed.run with WORLD_SIZE=" + str(world) if world > 1
+               else "running as one process")
+        raise ValueError(f"nproc: the config asks for {cfg.nproc} learner processes but this is {how}; launch "
+                         f"with `tether train --nproc {cfg.nproc}` (or torchrun --nproc_per_node {cfg.nproc}), "
+                         f"or set nproc={world}.")
+    if world == 1:
+        return Ranks()
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_leave)
+    return Ranks(size=world, rank=dist.get_rank(), device=device)
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_writer() -> bool:
+    """Whether this process writes files: one process, or rank 0 of a process group."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def shard_models(models: Any, ranks: Ranks) -> None:
+    """Shard ``models.policy`` and a separate ``models.reference`` in place (see the module doc)."""
+    if ranks.size == 1:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ranks.device.type, (ranks.size,))
+    ranks.units.extend(_shard(models.policy, mesh))
+    if not isinstance(models.reference, AdapterDisabledReference):
+        ranks.units.extend(_shard(models.reference, mesh))
+
+
+def _shard(model: nn.Module, mesh: Any) -> list[tuple[nn.Module, bool]]:
+    """``fully_shard`` each decoder layer, then the Hugging Face model as root; returns the units."""
+    from torch.distributed.fsdp import fully_shard
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"nproc: cannot shard {type(inner).__name__}: expected a Hugging Face causal LM whose "
+                        "get_decoder() has a `layers` ModuleList (Llama, Qwen, Mistral, ...); use nproc=1.")
+    units = [(fully_shard(layer, mesh=mesh), True) for layer in layers]
+    # The root keeps its weights gathered after forward: the scorer reads the head weight afterwards.
+    units.append((fully_shard(inner, mesh=mesh, reshard_after_forward=False), False))
+    for unit, _ in units:
+        unit.set_gradient_divide_factor(1.0)  # sum over ranks: the losses divide by full-batch counts
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    decoder.register_forward_pre_hook(_gather_root(inner))
+    with torch.no_grad():  # the first forward through the root makes it FSDP's root
+        inner(input_ids=torch.zeros(1, 1, dtype=torch.long, device=mesh.device_type))
+    inner.reshard()
+    return units
+
+
+def _gather_root(root: nn.Module):
+    def hook(*_: Any) -> None:
+        root.unshard()  # a no-op while the root's weights are gathered
+
+    return hook
+
+
+def share_run(run: Any) -> None:
+    """Point a built run's sampler at the shared draw and give its loss one forward per micro-batch."""
+    ranks = run.ranks
+    if ranks.size == 1:
+        return
+    if run.task.tool_use is not None:
+        raise ValueError(f"task: the multi-turn tool task {run.cfg.task!r} is not supported with nproc="
+                         f"{ranks.size}; use nproc=1.")
+    run.sampler.generate_kwargs["draw"] = SharedDraw(ranks)
+    actor = run.loss.actor_network
+    actor.token_budget, actor.share_prefix = sys.maxsize, False
+
+
+# ------------------------------------------------------------------------------ whole-batch views
+def gather_scores(ranks: Ranks, scores: Scores) -> Scores:
+    """The step's scores of every rank's rows, in row order."""
+    if ranks.size == 1:
+        return scores
+    correct = None if scores.correct is None else ranks.rows(scores.correct)
+    return Scores(ranks.rows(scores.total), correct, {k: ranks.rows(v) for k, v in scores.per_function.items()})
+
+
+def gather_kl(ranks: Ranks, kl: KLMeasurement) -> KLMeasurement:
+    """The step's KLs of every rank's answers: the controller sees the same signal on every rank."""
+    if ranks.size == 1:
+        return kl
+    exact = None if kl.exact is None else ranks.rows(kl.exact)
+    tokens = int(ranks.total(torch.tensor([kl.tokens])))
+    return KLMeasurement(sampled=ranks.rows(kl.sampled), exact=exact, tokens=tokens)
+
+
+def gather_terms(ranks: Ranks, terms: GRPOTokenTerms) -> GRPOTokenTerms:
+    """Detached per-token terms of every rank's rows (zero-padded to one width, outside ``mask``)."""
+    if ranks.size == 1:
+        return terms
+    values = {f.name: getattr(terms, f.name) for f in fields(terms)}
+    return replace(terms, **{name: None if v is None else ranks.rows(v) for name, v in values.items()})
