@@ -328,7 +328,7 @@ def test_missing_keys_raise_key_error_naming_them(drop, needle):
     td = rollout(actor).exclude(drop)
     with pytest.raises(KeyError, match=needle) as info:
         transform(td)
-    assert "present keys" in str(info.value)
+    assert "Present keys" in str(info.value)
 
 
 def test_constructor_and_shape_errors():

@@ -73,5 +73,5 @@ def test_an_input_the_actor_needs_is_still_named():
     transform = KLRewardTransform(actor)
     td = TensorDict({"action": torch.tensor([2.0], dtype=F64), ("next", "reward"): torch.zeros(1, dtype=F64),
                      actor.log_prob_key: torch.zeros(1, dtype=F64)}, batch_size=[1])
-    with pytest.raises(KeyError, match=r"could not run without its input\(s\) 'observation', 'rs_h'.*present keys"):
+    with pytest.raises(KeyError, match=r"could not run without its input\(s\) 'observation', 'rs_h'.*Present keys"):
         transform(td)

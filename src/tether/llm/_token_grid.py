@@ -20,10 +20,9 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key
 from torch import Tensor
 
-from tether.models.batch_io import get_entry
+from tether.models.batch_io import NEXT, get_entry, has_key
 from tether.ops import nested_to_padded, padded_to_nested
 
-NEXT = "next"
 TOKENS_KEY = ("tokens", "full")
 ATTENTION_KEY = ("masks", "all_attention_mask")
 ASSISTANT_KEY = ("masks", "all_assistant_mask")
@@ -37,10 +36,6 @@ def as_key(name: str, key: NestedKey) -> NestedKey:
         raise TypeError(
             f"{name}: expected a string or a tuple of strings (a TensorDict key), got {key!r}."
         ) from err
-
-
-def has(td: TensorDictBase, key: NestedKey) -> bool:
-    return key in td.keys(include_nested=True, leaves_only=False)
 
 
 def target_of(td: TensorDictBase) -> TensorDictBase:
@@ -58,29 +53,9 @@ def scopes_of(td: TensorDictBase) -> tuple[TensorDictBase, ...]:
     return (target,) if target is td else (target, td)
 
 
-def present_keys(scopes: tuple[TensorDictBase, ...]) -> str:
-    """The leaf keys of the scopes as one readable list (keys under "next" prefixed)."""
-    keys: set[tuple[str, ...]] = set()
-    for i, scope in enumerate(scopes):
-        prefix = (NEXT,) if i == 0 and len(scopes) == 2 else ()
-        for key in scope.keys(include_nested=True, leaves_only=True):
-            key = (key,) if isinstance(key, str) else tuple(key)
-            if prefix or len(scopes) == 1 or key[0] != NEXT:
-                keys.add(prefix + key)
-    shown = [repr(k[0]) if len(k) == 1 else repr(k) for k in sorted(keys)]
-    return "[" + ", ".join(shown) + "]"
-
-
 def find(scopes: tuple[TensorDictBase, ...], key: NestedKey) -> TensorDictBase | None:
     """The first scope holding ``key``, or None."""
-    return next((scope for scope in scopes if has(scope, key)), None)
-
-
-def missing_key(scopes: tuple[TensorDictBase, ...], keys: list[NestedKey], fix: str) -> KeyError:
-    where = "the TensorDict's 'next' entry or its root" if len(scopes) == 2 else "the TensorDict"
-    return KeyError(
-        f"{keys!r}: expected in {where}, but missing. Present keys: {present_keys(scopes)}. {fix}"
-    )
+    return next((scope for scope in scopes if has_key(scope, key)), None)
 
 
 @dataclass(frozen=True)

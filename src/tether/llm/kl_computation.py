@@ -29,12 +29,11 @@ from tether.llm._token_grid import (
     TokenGrid,
     as_key,
     find,
-    missing_key,
     read_grid,
     read_mask,
     scopes_of,
 )
-from tether.models.batch_io import get_entry
+from tether.models.batch_io import get_entry, missing_key
 from tether.ops import kl_estimate, nested_to_padded
 
 __all__ = ["KLComputation"]

@@ -47,13 +47,11 @@ from tether.llm._token_grid import (
     ATTENTION_KEY,
     TOKENS_KEY,
     as_key,
-    has,
     place,
-    present_keys,
     target_of,
 )
 from tether.models import TransformersWrapper, tokenize_chats
-from tether.models.batch_io import get_entry, read_chats, read_ragged, write_ragged
+from tether.models.batch_io import get_entry, has_key, listed_keys, read_chats, read_ragged, write_ragged
 from tether.ops import padded_to_nested
 
 __all__ = ["RetrieveLogProb"]
@@ -162,7 +160,7 @@ class RetrieveLogProb(TensorDictModuleBase):
 
     # ------------------------------------------------------------------ scoring
     def _score(self, td: TensorDictBase) -> ScoredBatch:
-        if has(td, TOKENS_KEY) and (has(td, ATTENTION_KEY) or self.model.input_mode == "tokens"):
+        if has_key(td, TOKENS_KEY) and (has_key(td, ATTENTION_KEY) or self.model.input_mode == "tokens"):
             scored = self._score_batch_tokens(td)
         elif self.model.input_mode == "history":
             scored = self._score_chats(td)
@@ -172,7 +170,7 @@ class RetrieveLogProb(TensorDictModuleBase):
             raise KeyError(
                 f"{ASSISTANT_KEY!r}: assistant_only=True needs an assistant mask, but the batch "
                 f"has none next to its tokens and input_mode={self.model.input_mode!r} gives "
-                f"none. Present keys: {present_keys((td,))}. Score chats with "
+                f"none. Present keys: {listed_keys(td)}. Score chats with "
                 "input_mode='history', add the mask to the batch, or pass assistant_only=False."
             )
         if self.assistant_only:
@@ -210,7 +208,7 @@ class RetrieveLogProb(TensorDictModuleBase):
     def _score_with_wrapper(self, td: TensorDictBase) -> ScoredBatch:
         wanted = [(self.model.input_mode, "full"), (self.model.input_mode, "prompt")]
         # The wrapper raises a KeyError naming (input_mode, "full") when it is missing.
-        out = self.model(td.select(*[k for k in wanted if has(td, k)]))
+        out = self.model(td.select(*[k for k in wanted if has_key(td, k)]))
         ids, mask = read_ragged(out, TOKENS_KEY, ATTENTION_KEY)
         log_probs, _ = read_ragged(out, (self.model.log_probs_key, "full"), ATTENTION_KEY)
         found = read_ragged(out, ASSISTANT_KEY, ATTENTION_KEY, required=False)

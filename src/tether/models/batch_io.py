@@ -25,16 +25,43 @@ from tether.ops._vocab_checks import check_mask
 Chat = list[dict[str, str]]
 
 
-def _present(td: TensorDictBase, key) -> bool:
+NEXT = "next"
+
+
+def has_key(td: TensorDictBase, key) -> bool:
+    """Whether ``td`` holds ``key`` (a leaf or a sub-TensorDict)."""
     return key in td.keys(include_nested=True, leaves_only=False)
 
 
-def _missing(td: TensorDictBase, key, what: str) -> KeyError:
-    keys = sorted(str(k) for k in td.keys(include_nested=True, leaves_only=True))
-    return KeyError(
-        f"{key!r}: expected {what} in the input TensorDict, but the key is missing. "
-        f"Present keys: {keys}."
-    )
+def listed_keys(scopes: TensorDictBase | tuple[TensorDictBase, ...]) -> str:
+    """The leaf keys of ``scopes`` as one readable list; with two scopes (``td["next"]``, ``td``)
+    the first one's keys are shown under ``"next"``."""
+    scopes = (scopes,) if isinstance(scopes, TensorDictBase) else scopes
+    keys: set[tuple[str, ...]] = set()
+    for i, scope in enumerate(scopes):
+        prefix = (NEXT,) if i == 0 and len(scopes) == 2 else ()
+        for key in scope.keys(include_nested=True, leaves_only=True):
+            key = (key,) if isinstance(key, str) else tuple(key)
+            if prefix or len(scopes) == 1 or key[0] != NEXT:
+                keys.add(prefix + key)
+    return "[" + ", ".join(repr(k[0]) if len(k) == 1 else repr(k) for k in sorted(keys)) + "]"
+
+
+def missing_key(scopes: TensorDictBase | tuple[TensorDictBase, ...], keys, fix: str = "", *, what: str = "") -> KeyError:
+    """The one ``KeyError`` for absent TensorDict entries: the key(s), what was expected there,
+    where it was looked up, the keys that are present, and the fix."""
+    two = isinstance(scopes, tuple) and len(scopes) == 2
+    where = "the TensorDict's 'next' entry or its root" if two else "the TensorDict"
+    expected = f"{what} " if what else ""
+    return KeyError(f"{keys!r}: expected {expected}in {where}, but missing. Present keys: {listed_keys(scopes)}."
+                    + (f" {fix}" if fix else ""))
+
+
+def fetch(td: TensorDictBase, key, what: str, fix: str = ""):
+    """``td[key]`` (jagged for ragged rows of a lazy stack), or ``missing_key`` if absent."""
+    if not has_key(td, key):
+        raise missing_key(td, key, fix, what=what)
+    return get_entry(td, key)
 
 
 def get_entry(td: TensorDictBase, key):
@@ -54,8 +81,8 @@ def write_objects(td: TensorDictBase, key, objects: Sequence) -> None:
 
 def read_objects(td: TensorDictBase, key, what: str) -> list:
     """The per-row Python objects stored under ``key`` (a KeyError naming it if absent)."""
-    if not _present(td, key):
-        raise _missing(td, key, what)
+    if not has_key(td, key):
+        raise missing_key(td, key, what=what)
     value = td.get(key)
     if isinstance(value, (NonTensorStack, NonTensorData)):
         items = value.tolist()
@@ -82,15 +109,15 @@ def read_ragged(
 
     A padded entry without a mask under ``mask_key`` is taken as fully valid.
     """
-    if not _present(td, key):
+    if not has_key(td, key):
         if required:
-            raise _missing(td, key, "a per-token tensor")
+            raise missing_key(td, key, what="a per-token tensor")
         return None
     value = get_entry(td, key)
     if value.is_nested:
         padded = nested_to_padded(value, padding_side="right")
         return padded.values, padded.mask
-    mask = get_entry(td, mask_key) if mask_key is not None and _present(td, mask_key) else None
+    mask = get_entry(td, mask_key) if mask_key is not None and has_key(td, mask_key) else None
     if mask is None:
         mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
     elif mask.shape != value.shape[:2]:

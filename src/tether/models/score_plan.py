@@ -102,6 +102,12 @@ def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int
     return out
 
 
+def row_slices(size: int, rows_per_slice: int) -> list[tuple[int, int]]:
+    """``(begin, end)`` of consecutive slices of ``rows_per_slice`` rows of ``range(size)``
+    (the last may be shorter): the one way a batch of rows is cut into fixed-size parts."""
+    return [(begin, min(begin + rows_per_slice, size)) for begin in range(0, size, rows_per_slice)]
+
+
 def first_of_each(group: Tensor) -> Tensor:
     """Index of the first row holding each group id ``0..U-1`` of ``group [B]`` (``long [U]``)."""
     count = int(group.max()) + 1

@@ -18,7 +18,7 @@ from tensordict.utils import NestedKey
 from torch import Tensor
 
 from tether.models.step_record import StepRecord
-from tether.objectives._td import fetch, missing, present
+from tether.models.batch_io import fetch, has_key, missing_key
 from tether.ops import nested_to_padded
 from tether.ops._vocab_checks import check_mask, check_same_device, check_token_ids
 
@@ -160,11 +160,11 @@ def _ref_log_probs(td: TensorDictBase, key: NestedKey) -> Tensor:
     if key == GRPOKeys.ref_log_probs:
         candidates += [TRANSFORM_REF_LOG_PROB, ("next", TRANSFORM_REF_LOG_PROB)]
     for candidate in candidates:
-        if present(td, candidate):
+        if has_key(td, candidate):
             return _fetch(td, candidate, "the reference log-probs")
-    raise missing(
-        td, key, f"the reference log-probs (also looked up under 'next'{', and at ' + repr(candidates[2:]) if len(candidates) > 2 else ''})",
-        "Add them with tether.llm.RetrieveLogProb / RetrieveKL / KLRewardTransform, or pass kl_to_ref_coeff=None.",
+    raise missing_key(
+        td, key, "Add them with tether.llm.RetrieveLogProb / RetrieveKL / KLRewardTransform, or pass kl_to_ref_coeff=None.",
+        what=f"the reference log-probs (also looked up under 'next'{', and at ' + repr(candidates[2:]) if len(candidates) > 2 else ''})",
     )
 
 
@@ -213,7 +213,7 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
         _check_finite(advantage, torch.ones_like(advantage, dtype=torch.bool), keys.advantage)
     ref = clean(_ref_log_probs(td, keys.ref_log_probs), keys.ref_log_probs) if with_ref else None
     old = None
-    if with_old and present(td, keys.old_log_probs):
+    if with_old and has_key(td, keys.old_log_probs):
         old = clean(_fetch(td, keys.old_log_probs, "the old log-probs").detach(), keys.old_log_probs)
     return GRPOBatch(
         tokens=tokens,

@@ -49,7 +49,7 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from tensordict.utils import NestedKey
 from torch import Tensor, nn
 
-from tether.objectives._td import fetch, present
+from tether.models.batch_io import fetch, has_key
 from tether.objectives.group_advantage import check_advantage_options, mc_group_advantages
 from tether.ops import nested_to_padded, padded_to_nested, ragged_dim_of
 
@@ -63,10 +63,6 @@ class _RewardEntries:
     values: Tensor  # [L, W]
     mask: Tensor  # bool [L, W]
     restore: Callable[[Tensor], Tensor]  # [L, W] advantages -> the reward's own layout
-
-
-def _require(td: TensorDictBase, key: NestedKey, what: str) -> Any:
-    return fetch(td, key, what)
 
 
 def _jagged_safe(operation: Callable[[], Any], what: str) -> Any:
@@ -157,7 +153,7 @@ class MCAdvantage(nn.Module):
         Raises a ``KeyError`` when ``td`` holds no advantage: the data never went through
         ``add`` (e.g. a TorchRL replay buffer given this module unwrapped).
         """
-        if td.numel() and not present(td, self.advantage_key):
+        if td.numel() and not has_key(td, self.advantage_key):
             raise KeyError(
                 f"{self.advantage_key!r}: MCAdvantage.forward got data without an advantage, so "
                 "it was never passed through add() (the write path). A TorchRL ReplayBuffer only "
@@ -228,7 +224,7 @@ class MCAdvantage(nn.Module):
     def _split_row(self, td: TensorDictBase) -> list[TensorDictBase]:
         if td.shape[0] == 0:
             return []
-        done = _require(td, self.done_key, "done flags")
+        done = fetch(td, self.done_key, "done flags")
         done = done.reshape(td.shape[0], -1).any(-1)
         ends = torch.nonzero(done).flatten() + 1
         if not bool(done[-1]):
@@ -244,7 +240,7 @@ class MCAdvantage(nn.Module):
 
     # ------------------------------------------------------------------ grouping
     def _group_key(self, traj: TensorDictBase) -> str:
-        prompt = _require(traj[0], self.prompt_key, "the prompt")
+        prompt = fetch(traj[0], self.prompt_key, "the prompt")
         if isinstance(prompt, (NonTensorData, NonTensorStack)):
             prompt = prompt.tolist()
         if isinstance(prompt, TensorDictBase):
@@ -282,7 +278,7 @@ class MCAdvantage(nn.Module):
         return _jagged_safe(lambda: torch.cat(out, 0), "concatenate")
 
     def _entries(self, traj: TensorDictBase) -> _RewardEntries:
-        reward = _require(traj, self.rewards_key, "the rewards")
+        reward = fetch(traj, self.rewards_key, "the rewards")
         steps = traj.shape[0]
         if reward.is_nested:
             return self._nested_entries(reward)
@@ -297,7 +293,7 @@ class MCAdvantage(nn.Module):
             return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))
         if reward.dim() == 2 or (reward.dim() == 3 and reward.shape[-1] == 1):
             values = reward.reshape(steps, -1)
-            mask = _require(traj, self.mask_key, "the valid-token mask of the padded per-token rewards")
+            mask = fetch(traj, self.mask_key, "the valid-token mask of the padded per-token rewards")
             if mask.shape != values.shape:
                 raise ValueError(
                     f"{self.mask_key!r}: expected a mask of shape {tuple(values.shape)} matching the per-token "
@@ -312,7 +308,7 @@ class MCAdvantage(nn.Module):
     def _unpadded_steps(self, traj: TensorDictBase, reward: Tensor) -> bool:
         """A lazy stack of steps, no mask, one token axis: every reward entry is valid."""
         token_axes = sum(size > 1 for size in reward.shape[1:])
-        return isinstance(traj, LazyStackedTensorDict) and token_axes <= 1 and not present(traj, self.mask_key)
+        return isinstance(traj, LazyStackedTensorDict) and token_axes <= 1 and not has_key(traj, self.mask_key)
 
     def _nested_entries(self, reward: Tensor) -> _RewardEntries:
         """Entries of a jagged reward ``[L, *pre, j, *post]`` whose other dims are singletons."""

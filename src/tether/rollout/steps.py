@@ -31,6 +31,8 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
+from tether.models.batch_io import has_key, missing_key
+
 __all__ = ["EpisodeEnds", "StepViews", "episode_ends", "stepwise_views"]
 
 
@@ -112,13 +114,10 @@ def stepwise_views(td: TensorDictBase, pad_token_id: int) -> StepViews:
     Returns:
         ``StepViews``; position ``t`` of step ``i`` is visible when ``t < length[i]``.
     """
-    missing = [key for key in ("sequence", "length", ("next", "length")) if key not in td.keys(True)]
+    missing = [key for key in ("sequence", "length", ("next", "length")) if not has_key(td, key)]
     if missing:
-        raise KeyError(
-            f"td: expected the keys 'sequence', 'length' and ('next', 'length') of a "
-            f"RolloutFromModel output, missing {missing}. Pass the TensorDict returned by "
-            "create_rollout_td / rollout_from_data."
-        )
+        raise missing_key(td, missing, "Pass the TensorDict returned by create_rollout_td / rollout_from_data.",
+                          what="the entries of a RolloutFromModel output")
     sequence = td.get("sequence")
     positions = torch.arange(sequence.shape[-1], device=sequence.device)
     mask = positions < td.get("length")[..., None]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tether.models import TransformersWrapper
+from tether.models.score_plan import row_slices
 from tether.models.scoring import exact_kl_tokens
 from tether.train.data import prompt_batch
 from tether.train.rewards import TaskScorer, samples_from_batch
@@ -73,8 +74,8 @@ def evaluate(
     totals, correct, per_function = [], [], []
     kl_sum = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
-    for begin in range(0, len(problems), _EVAL_BATCH):
-        chunk = problems[begin : begin + _EVAL_BATCH]
+    for begin, end in row_slices(len(problems), _EVAL_BATCH):
+        chunk = problems[begin:end]
         td = rollout(prompt_batch(chunk, prompt_format))
         if tool_rollout is not None:
             episodes.append(episode_stats(td))

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from tether.models.score_plan import row_slices
 from tether.models.step_record import StepRecord
 from tether.objectives import GRPOTokenTerms
 from tether.ops import aggregate_denominator, group_advantages, reward_to_go
@@ -40,7 +41,7 @@ from tether.train.summary import evaluate_run, summarize, with_checkpoints
 from tether.train.tasks import Problem
 from tether.train.tool_rollout import tool_rollout
 from tether.train.tracking import log_completions, make_tracker
-from tether.train.updates import Update, check_finite_update, minibatch_bounds, row_slices, store_old_log_probs
+from tether.train.updates import Update, check_finite_update, minibatch_bounds, store_old_log_probs
 
 Rollout = Callable[[Run, list[Problem], int], StepRecord]
 

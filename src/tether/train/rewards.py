@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tether.models.score_plan import row_slices
 from tether.train.tasks import Problem, Task, load_user_module
 
 _RESERVED = ("prompts", "completions", "completion_ids")
@@ -241,7 +242,7 @@ class RewardModelFunction:
         tok = self.model.tokenizer
         texts = [tok.apply_chat_template(p + c, tokenize=False) if self.chat else p + c
                  for p, c in zip(prompts, completions)]
-        scores = [self.model.score_texts(texts[i : i + _RM_BATCH]).end_scores for i in range(0, len(texts), _RM_BATCH)]
+        scores = [self.model.score_texts(texts[b:e]).end_scores for b, e in row_slices(len(texts), _RM_BATCH)]
         return torch.cat(scores).tolist()
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tether.models.score_plan import row_slices
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.train.run_dir import describe_checkpoints
 
@@ -64,11 +65,6 @@ def minibatch_bounds(size: int, n: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def row_slices(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
-    """``(begin, end)`` of consecutive micro-batches of ``micro_batch_size`` rows (the last may be shorter)."""
-    return [(begin, min(begin + micro_batch_size, size)) for begin in range(0, size, micro_batch_size)]
-
-
 @torch.no_grad()
 def store_old_log_probs(actor: Any, record: Any, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` the current policy's log-probs of a ``StepRecord``'s answer tokens."""

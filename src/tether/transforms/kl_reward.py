@@ -40,9 +40,13 @@ from tensordict.nn import (
 from tensordict.utils import NestedKey, unravel_key
 from torch import nn
 
+from tether.models.batch_io import fetch
+
 __all__ = ["KLRewardTransform"]
 
 _NEXT = "next"
+
+_RECORD_IT = "Record it in the rollout or pass the key where it lives (in_keys for the reward)."
 
 
 def _single_key(name: str, keys: Any, default: NestedKey) -> tuple[str, ...]:
@@ -114,18 +118,6 @@ def _show(key: NestedKey) -> str:
     """A key as a user would write it: 'reward' or ('next', 'reward')."""
     key = unravel_key(key)
     return repr(key[0] if isinstance(key, tuple) and len(key) == 1 else key)
-
-
-def _require(td: TensorDictBase, key: NestedKey, role: str) -> torch.Tensor:
-    value = td.get(key, None)
-    if value is None:
-        present = sorted(_show(k) for k in td.keys(include_nested=True, leaves_only=True))
-        raise KeyError(
-            f"KLRewardTransform needs the {role} at key {_show(key)}, which is missing; "
-            f"present keys: [{', '.join(present)}]. Record it in the rollout or pass the key "
-            f"where it lives (in_keys for the reward)."
-        )
-    return value
 
 
 def _to_reward_shape(log_ratio: torch.Tensor, reward: torch.Tensor) -> torch.Tensor:
@@ -237,7 +229,7 @@ class KLRewardTransform(TensorDictModuleBase):
 
     def reference_log_prob(self, tensordict: TensorDictBase) -> torch.Tensor:
         """``log pi_0(a)`` of the recorded actions under the frozen snapshot, shape of the log-prob."""
-        action = _require(tensordict, self.action_key, "action")
+        action = fetch(tensordict, self.action_key, "the action", _RECORD_IT)
         keys = set(tensordict.keys(include_nested=True, leaves_only=True))
         absent = [key for key in self._actor_in_keys if unravel_key(key) not in keys]
         # The actor writes its intermediate outputs (e.g. loc/scale) into its input; a
@@ -255,14 +247,14 @@ class KLRewardTransform(TensorDictModuleBase):
                 raise KeyError(
                     f"KLRewardTransform: the actor could not run without its input(s) "
                     f"{', '.join(_show(k) for k in absent)}, missing from the rollout ({type(err).__name__}: "
-                    f"{err}); present keys: [{', '.join(present)}]. Record them in the rollout."
+                    f"{err}); Present keys: [{', '.join(present)}]. Record them in the rollout."
                 ) from err
             return dist.log_prob(action)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         """Writes the KL-penalised reward (and optionally the log-ratio); returns the input."""
-        reward = _require(td, self._resolve(td, self.reward_key), "reward")
-        current = _require(td, self.log_prob_key, "current policy's log-prob")
+        reward = fetch(td, self._resolve(td, self.reward_key), "the reward", _RECORD_IT)
+        current = fetch(td, self.log_prob_key, "the current policy's log-prob", _RECORD_IT)
         log_ratio = _to_reward_shape(current - self.reference_log_prob(td), reward)
         log_ratio = log_ratio.to(reward.dtype)
         td.set(self._resolve(td, self.out_key), reward - self._coef * log_ratio)
