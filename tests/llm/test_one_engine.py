@@ -112,3 +112,29 @@ def test_reference_service_body(models):
     server = ReferenceServer(wrapper(tok, reference), None, BatchLimits(), None, 16)
     [reply] = server._forward([ScoreRequest("a", tokens, mask)])
     assert_rows([row[m] for row, m in zip(reply.log_probs, mask)], ref)
+
+
+@pytest.mark.parametrize("inputs", ["chats", "tokens"])
+def test_history_mode_decoder_sees_only_real_tokens(models, inputs):
+    """RetrieveLogProb on chats only (history mode) and on tokens in the batch runs the decoder
+    through the engine's plan: with a token budget of 1 every row is its own pass, so the decoder
+    sees exactly sum(row lengths) tokens in len(chats) calls; a padded [B, T] forward would see
+    B * max(length) tokens in one call."""
+    tok, policy, _ = models
+    ids, _, _ = engine_rows(tok, policy)
+    seen: list[int] = []
+    decoder = policy.get_decoder()
+    handle = decoder.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].numel()),
+                                               with_kwargs=True)
+    try:
+        module = RetrieveLogProb(wrapper(tok, policy, token_budget=1, share_prefix=False))
+        td = chat_batch(MULTI_TURN)
+        if inputs == "tokens":
+            td = module(td).exclude(("log_probs", "full"))
+        seen.clear()
+        module(td)
+    finally:
+        handle.remove()
+    lengths = [len(r) for r in ids]
+    assert seen and sum(seen) == sum(lengths) < len(lengths) * max(lengths)
+    assert sorted(seen, reverse=True) == sorted(lengths, reverse=True)
