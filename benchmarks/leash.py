@@ -61,7 +61,7 @@ def run_one(setting: Setting, controller: str, args: argparse.Namespace) -> list
         max_new_tokens=args.max_new_tokens, micro_batch_size=args.prompts * args.group,
         learning_rate=setting.learning_rate, kl_coef=setting.kl_coef, kl_mode=setting.kl_mode,
         kl_estimator="k3" if setting.kl_mode == "loss" else "k1", kl_controller=controller,
-        kl_target=args.kl_target, eval_size=0, checkpoint_every=0, out=str(out), threads=args.threads,
+        kl_target=args.kl_target, kl_signal="exact", eval_size=0, checkpoint_every=0, out=str(out), threads=args.threads,
     )
     train(cfg, progress=False)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -90,7 +90,7 @@ def plot(results: dict, target: float, path: Path) -> None:
     names = list(dict.fromkeys(name for name, _ in results))
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):
-        for controller in CONTROLLERS:
+        for controller in args.controllers.split(","):
             kls = results[name, controller]["kls"]
             ax.plot(range(1, len(kls) + 1), kls, marker="o", markersize=3, label=controller)
         ax.axhspan(target * (1 - TARGET_BAND), target * (1 + TARGET_BAND), color="tab:green", alpha=0.15)
@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kl-target", type=float, default=1.0, help="nats per answer, the same for every run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/leash")
+    parser.add_argument("--controllers", default=",".join(CONTROLLERS),
+                        help="comma-separated subset of constant,adaptive,target to run (default: all three)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.group, args.max_new_tokens = 3, 2, 2, 8
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| setting | controller | post-warm-up steps in band | final KL | reward gain | steps over kl_bound |")
     print("|---|---|---|---|---|---|")
     for setting in settings(args.quick):
-        for controller in CONTROLLERS:
+        for controller in args.controllers.split(","):
             res = row(run_one(setting, controller, args), args.kl_target)
             results[setting.name, controller] = res
             print(f"| {setting.name} | {controller} | {res['in_band']:.0%} | {res['final_kl']:.2f} | "

@@ -73,11 +73,12 @@ def test_cli_train_with_workers_starts_and_stops_its_own_cluster(tmp_path):
         time.sleep(0.2)
     assert not left, f"processes left behind by tether train: {left}"
 
-    local = tiny_cfg(tmp_path / "local", steps=2, workers=0, checkpoint_every=0)
+    # The ReferenceService returns log-probs only, so a Ray run's leash reads the sampled KL.
+    local = tiny_cfg(tmp_path / "local", steps=2, workers=0, checkpoint_every=0, kl_signal="sampled")
     train(local, progress=False)
     cli_rows = MetricsLog(tmp_path / "cli" / "metrics.jsonl").read()
     local_rows = MetricsLog(tmp_path / "local" / "metrics.jsonl").read()
-    assert [r["step"] for r in cli_rows] == [1, 2]
+    assert [r["step"] for r in cli_rows] == [1, 2] and {r["kl_signal"] for r in cli_rows} == {"sampled"}
     assert [list(r) for r in cli_rows] == [list(r) for r in local_rows]
 
 

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from tests.ray.test_workers import tiny_cfg, wait_for_free_cpus
-from tether.train import distributed, recipe
+from tether.train import distributed, recipe, recipe_ray
 from tether.train.metrics import MetricsLog
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
@@ -22,12 +22,12 @@ def test_train_that_raises_mid_run_releases_the_workers(tmp_path, monkeypatch):
     the error reaches the caller, step 1's record was written (its KL from the service's
     reference log-probs is 0: at step 1 the policy is the reference), and train's clean-up
     killed the workers and the service, so the cluster's 2 CPUs are free again."""
-    score = recipe.score_batch
+    score = recipe.score_rewards
 
-    def fail_at_step_two(run, batch, problems, step):
+    def fail_at_step_two(run, record, problems, step):
         if step == 1:
             raise recipe.RewardError("reward broke at step 2")
-        return score(run, batch, problems, step)
+        return score(run, record, problems, step)
 
     pools = []  # held here, so the actor handles cannot simply be garbage-collected away
 
@@ -36,10 +36,10 @@ def test_train_that_raises_mid_run_releases_the_workers(tmp_path, monkeypatch):
         return pools[-1]
 
     start = distributed.start_workers
-    monkeypatch.setattr(recipe, "score_batch", fail_at_step_two)
+    monkeypatch.setattr(recipe, "score_rewards", fail_at_step_two)
     monkeypatch.setattr(distributed, "start_workers", kept_pool)
-    with pytest.raises(recipe.RewardError, match="reward broke"):
-        recipe.train(tiny_cfg(tmp_path / "ray"), progress=False)
+    with pytest.raises(recipe.RewardError, match="reward broke"), pytest.warns(UserWarning, match="sampled KL"):
+        recipe_ray.train(tiny_cfg(tmp_path / "ray"), progress=False)
     assert len(pools) == 1 and pools[0].workers == []
     [record] = MetricsLog(tmp_path / "ray" / "metrics.jsonl").read()
     assert record["step"] == 1 and record["kl_per_seq"] == pytest.approx(0.0, abs=1e-5)

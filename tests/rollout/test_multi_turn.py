@@ -89,7 +89,7 @@ def test_episodes_match_the_template_rendering_of_the_final_chat():
         assert mask[i, :n].flip(-1).tolist() == ref_mask[:-1].tolist()
     lp = td["log_probs", "full"]
     assert torch.all(lp[td["masks", "all_assistant_mask"]] == -0.5) and torch.all(lp[~td["masks", "all_assistant_mask"]] == 0)
-    assert episode_metrics(td) == {"tool_call_rate": 0.75, "tool_calls_per_episode": 1.25,
+    assert episode_metrics(td["episode"]) == {"tool_call_rate": 0.75, "tool_calls_per_episode": 1.25,
                                    "tool_error_rate": 0.4, "turns_per_episode": 2.25}
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_recipe import tiny_cfg
+from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
 from tether.train.data import check_data, dataset_task, read_rows, rows_to_problems, split_rows
 from tether.train.recipe import train
@@ -191,7 +191,7 @@ def test_interrupted_dataset_run_resumes_exactly_across_an_epoch(tmp_path, promp
     clean = data_cfg(tmp_path, path, **kw, out=str(tmp_path / "clean"))
     train(clean, progress=False)
     cut = data_cfg(tmp_path, path, **kw, out=str(tmp_path / "cut"))
-    assert train(cut, progress=False, stop_after=2) == {"stopped_at": 2}
+    interrupted_train(cut, 2)
     train(cut, resume=True, progress=False)
     strip = lambda run: [{k: v for k, v in json.loads(line).items() if k not in ("step_time", "tokens_per_s")}
                          for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,8 @@ import torch
 from tests.train.test_recipe import _metrics, _weights, tiny_cfg
 from tether.train.config import TrainConfig
 from tether.train.kl_signal import measure_kl
-from tether.train.recipe import add_advantages, build_run, rollout, score_rewards, train
+from tests.train.test_recipe import interrupted_train, prepared
+from tether.train.recipe import accumulate_gradients, build_run, train
 
 # lr 1e-2 on the tiny model: at a constant beta 3 its exact KL creeps to about 0.5 nats, at
 # beta 0.01 it runs past 4 in 12 steps; a target of 1 nat is reachable only by moving beta.
@@ -40,16 +41,14 @@ def _records_of(out, controller: str) -> list[dict]:
 def test_exact_kl_signal_matches_full_logits(tmp_path):
     """The exact per-answer KL equals sum over response positions of the full-vocabulary KL
     computed naively from both models' logits in float64; the sampled one is the k1 sum."""
-    run = build_run(tiny_cfg(tmp_path / "run", steps=2))
+    run = build_run(tiny_cfg(tmp_path / "run", steps=2, kl_signal="exact"))
     with torch.no_grad():
         for p in run.models.policy.parameters():  # move the policy away from the reference
             p.add_(0.05 * torch.randn_like(p))
-    batch, problems = rollout(run, 0)
-    rewards, _ = score_rewards(run, batch, problems, 0)
-    kl_seq = add_advantages(run, batch, rewards)
-    kl = measure_kl(batch, kl_seq, policy=run.models.policy, reference=run.models.reference, temperature=1.0)
-    tokens, attn = batch["tokens", "full"], batch["masks", "all_attention_mask"]
-    mask = batch["masks", "all_assistant_mask"]
+    record, _ = prepared(run)
+    terms = accumulate_gradients(run, record)  # the loss pass computes the exact KL on the way
+    kl = measure_kl(record.sequence_log_ratio(), terms.kl_to_ref_exact, record.assistant_mask)
+    tokens, attn, mask = record.tokens, record.attention_mask, record.assistant_mask
     expected = []
     with torch.no_grad():
         for row in range(tokens.shape[0]):
@@ -60,7 +59,7 @@ def test_exact_kl_signal_matches_full_logits(tmp_path):
             expected.append(float(per_pos[mask[row][attn[row]][1:]].sum()))
     assert kl.exact.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-6)
     assert min(expected) > 0
-    assert torch.equal(kl.sampled, kl_seq.double())
+    assert torch.equal(kl.sampled, ((record.sample_log_probs - record.ref_log_probs) * mask).sum(-1).double())
     assert kl.signal is kl.exact
 
 
@@ -79,7 +78,7 @@ def test_target_controller_resumes_bit_exactly(tmp_path):
     kw = dict(steps=5, kl_controller="target", **{**LEASH, "checkpoint_every": 1})
     clean, cut = tmp_path / "clean", tmp_path / "cut"
     train(tiny_cfg(clean, **kw), progress=False)
-    assert train(tiny_cfg(cut, **kw), progress=False, stop_after=3) == {"stopped_at": 3}
+    interrupted_train(tiny_cfg(cut, **kw), 3)
     state = json.loads((cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "state.json").read_text())
     assert state["controller"]["num_updates"] == 3
     train(TrainConfig.from_yaml(cut / "config.yaml"), resume=True, progress=False)
@@ -96,9 +95,12 @@ def test_reward_mode_is_driven_too(tmp_path):
     assert betas[:2] == [3.0, 3.0] and betas[3] < betas[2] < 3.0  # KL far under target: released
 
 
-def test_sampled_signal_is_the_default_and_skips_the_exact_pass(tmp_path):
-    """Without kl_signal=exact no exact KL is computed: the controller and the bound read the
-    sampled k1 per answer, and the record says so."""
+def test_sampled_signal_skips_the_exact_kl(tmp_path):
+    """With kl_signal=sampled no exact KL is computed (the reference keeps no hidden states):
+    the controller and the bound read the sampled k1 per answer, and the record says so."""
+    run = build_run(tiny_cfg(tmp_path / "probe", kl_signal="sampled"))
+    record, _ = prepared(run)
+    assert record.ref_hidden is None and accumulate_gradients(run, record).kl_to_ref_exact is None
     out = tmp_path / "run"
     summary = train(tiny_cfg(out, steps=3, kl_bound=0.05, **{**LEASH, "kl_signal": "sampled", "kl_coef": 0.01}),
                     progress=False)

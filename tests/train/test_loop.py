@@ -9,21 +9,18 @@ import math
 import pytest
 import torch
 
-from tests.train.test_recipe import _metrics, _weights, tiny_cfg
+from tests.train.test_recipe import _metrics, _weights, interrupted_train, prepared, tiny_cfg
 from tether.objectives import RATIO_LEVELS
 from tether.ops import AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, aggregate_denominator
 from tether.train.cli import main
 from tether.train.config import TrainConfig
-from tether.train.recipe import add_advantages, build_run, optimize, rollout, score_rewards, train
+from tether.train.recipe import build_run, optimize, train
 from tether.train.schedule import LR_SCHEDULES, lr_multiplier
 from tether.train.updates import minibatch_bounds
 
 
 def _scored_batch(run):
-    batch, problems = rollout(run, 0)
-    rewards, _ = score_rewards(run, batch, problems, 0)
-    add_advantages(run, batch, rewards)
-    return batch
+    return prepared(run)[0]
 
 
 def _spy_terms(run) -> list:
@@ -62,12 +59,12 @@ def test_one_update_per_rollout_is_bit_identical_to_the_single_update(tmp_path):
     with the full batch's denominator, clip, step. Weights after the step are bit-equal."""
     runs = [build_run(tiny_cfg(tmp_path / f"r{i}", learning_rate=1e-2)) for i in range(2)]
     batches = [_scored_batch(run) for run in runs]
-    optimize(runs[0], batches[0])
+    optimize(runs[0], batches[0], 0)
     run, batch = runs[1], batches[1]
-    denominator = aggregate_denominator(batch["masks", "all_assistant_mask"], run.cfg.aggregation)
+    denominator = aggregate_denominator(batch.assistant_mask, run.cfg.aggregation)
     run.optimizer.zero_grad(set_to_none=True)
-    for begin in range(0, batch.shape[0], run.cfg.micro_batch_size):
-        terms = run.loss.token_terms(batch[begin : begin + run.cfg.micro_batch_size])
+    for begin in range(0, len(batch), run.cfg.micro_batch_size):
+        terms = run.loss.token_terms(batch.rows(begin, begin + run.cfg.micro_batch_size))
         run.loss.reduce(terms, denominator=denominator).total_loss().backward()
     params = [p for p in run.models.policy.parameters() if p.requires_grad]
     torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip)
@@ -85,11 +82,11 @@ def test_second_update_is_off_policy_so_clip_and_ess_act(tmp_path):
     run = build_run(tiny_cfg(tmp_path / "run", updates_per_rollout=2, learning_rate=3e-2, clip_epsilon=0.01))
     batch = _scored_batch(run)
     gaps = _spy_ratio_gaps(run)
-    logged = optimize(run, batch)
+    logged = optimize(run, batch, 0).output
     assert len(gaps) == 2 and [g.shape[0] for g in gaps] == [3, 3]
     assert float(gaps[0].abs().max()) < 1e-5
     assert float(gaps[1].abs().max()) > 1e-2
-    assert logged["clip_fraction"] > 0 and logged["ESS"] < 0.999
+    assert float(logged.clip_fraction) > 0 and float(logged.ESS) < 0.999
 
 
 def test_tis_with_several_updates_uses_the_stored_old_log_probs(tmp_path):
@@ -101,10 +98,9 @@ def test_tis_with_several_updates_uses_the_stored_old_log_probs(tmp_path):
                              importance_correction="tis", importance_cap=3.0))
     batch = _scored_batch(run)
     gaps = _spy_ratio_gaps(run)
-    optimize(run, batch)
-    mask = batch["masks", "all_assistant_mask"]
-    old = batch["old_log_probs", "full"]
-    torch.testing.assert_close(old * mask, batch["log_probs", "full"] * mask, rtol=0, atol=1e-5)
+    optimize(run, batch, 0)
+    mask = batch.assistant_mask
+    torch.testing.assert_close(batch.old_log_probs * mask, batch.sample_log_probs * mask, rtol=0, atol=1e-5)
     assert len(gaps) == 3 and float(gaps[0].abs().max()) < 1e-5
     assert float(gaps[1].abs().max()) > 1e-2 and float(gaps[2].abs().max()) > 1e-2
 
@@ -142,7 +138,7 @@ def test_cosine_schedule_is_logged_and_resumes_bit_exact(tmp_path):
     lrs = [r["lr"] for r in _metrics(clean)]
     assert lrs == pytest.approx([5e-3, 1e-2, 7.5e-3, 2.5e-3], rel=1e-12)
     cut = tmp_path / "cut"
-    train(tiny_cfg(cut, **kw), progress=False, stop_after=3)
+    interrupted_train(tiny_cfg(cut, **kw), 3)
     state = json.loads((cut / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["lr_scheduler"]["last_epoch"] == 2
     train(TrainConfig.from_yaml(cut / "config.yaml"), resume=True, progress=False)
@@ -211,7 +207,7 @@ def test_loss_variants_reach_the_loss(tmp_path):
             run.loss.aggregation) == ("sequence", 3.0, "mis", 2.5, "seq-mean-token-sum")
     batch = _scored_batch(run)
     terms = _spy_terms(run)
-    optimize(run, batch)
+    optimize(run, batch, 0)
     second = terms[1]
     rows = [clipped[m] for clipped, m in zip(second.clipped, second.mask)]
     assert all(bool((r == r[0]).all()) for r in rows if r.numel())

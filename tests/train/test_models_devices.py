@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import socket
 from pathlib import Path
@@ -10,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.test_recipe import tiny_cfg
+from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.train.devices import resolve_device
 from tether.train.model_source import load_base
-from tether.train.recipe import accumulate_gradients, add_advantages, build_run, rollout, score_rewards, train
+from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample, score_rewards,
+                                 step_problems, train)
 from tether.train.setup import build_models
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -108,14 +111,18 @@ def test_an_adapter_with_full_fine_tuning_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ --dtype, --gradient-checkpointing
-def _step(run, batch):
-    """One step's (summed diagnostics, gradients as float64) on ``batch`` (scored in place)."""
-    problems = [run.task.train_problem(run.cfg.seed, i, run.excluded) for i in range(run.cfg.prompts_per_step)]
-    problems = [p for p in problems for _ in range(run.cfg.group_size)]
-    rewards, _ = score_rewards(run, batch, problems, 0)
-    add_advantages(run, batch, rewards)
-    sums = accumulate_gradients(run, batch)
-    return sums, {n: p.grad.double() for n, p in run.models.policy.named_parameters() if p.grad is not None}
+def _stages(run, record):
+    """The reward, reference and advantage stages of step 0 on ``record`` (filled in place)."""
+    score_rewards(run, record, step_problems(run, 0), 0)
+    add_reference(run, record)
+    add_advantages(run, record)
+
+
+def _step(run, record):
+    """One step's (loss, gradients as float64) on ``record`` (its stages filled in place)."""
+    _stages(run, record)
+    loss = float(run.loss.reduce(accumulate_gradients(run, record)).total_loss())
+    return loss, {n: p.grad.double() for n, p in run.models.policy.named_parameters() if p.grad is not None}
 
 
 def _flat(grads, names):
@@ -133,18 +140,18 @@ def test_bfloat16_step_matches_float32_within_bfloat16_precision(tmp_path, lora_
     run32 = build_run(tiny_cfg(tmp_path / "f32", lora_rank=lora_rank))
     run16 = build_run(tiny_cfg(tmp_path / "bf16", lora_rank=lora_rank, dtype="bfloat16"))
     assert {p.dtype for p in run16.models.policy.parameters() if not p.requires_grad} <= {torch.bfloat16}
-    batch, _ = rollout(run32, 0)
-    batch16 = batch.clone()
-    sums32, g32 = _step(run32, batch)
-    sums16, g16 = _step(run16, batch16)
+    batch = sample(run32, step_problems(run32, 0), 0)
+    batch16 = dataclasses.replace(batch)
+    loss32, g32 = _step(run32, batch)
+    loss16, g16 = _step(run16, batch16)
     names = sorted(g32)
     assert names == sorted(g16)
     a, b = _flat(g32, names), _flat(g16, names)
     assert float((a - b).norm() / a.norm()) < 2**-5
-    mean_abs_adv = float(batch["advantage"].abs().sum() / batch["masks", "all_assistant_mask"].sum())
-    assert abs(sums16["loss"] - sums32["loss"]) <= 2**-5 * mean_abs_adv
-    mask = batch16["masks", "all_assistant_mask"]
-    ref = batch16["ref_log_probs", "full"]
+    mean_abs_adv = float(batch.advantages.abs().sum() / batch.assistant_mask.sum())
+    assert abs(loss16 - loss32) <= 2**-5 * mean_abs_adv
+    mask = batch16.assistant_mask
+    ref = batch16.ref_log_probs
     assert ref.dtype == torch.float32 and ref[mask].abs().min() > 0
 
 
@@ -186,14 +193,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, lora_rank):
     re-runs every attention layer the loss's forward ran (none without checkpointing)."""
     plain = build_run(tiny_cfg(tmp_path / "a", lora_rank=lora_rank))
     ckpt = build_run(tiny_cfg(tmp_path / "b", lora_rank=lora_rank, gradient_checkpointing=True))
-    batch, _ = rollout(plain, 0)
-    again, _ = rollout(ckpt, 0)
-    assert torch.equal(batch["tokens", "full"], again["tokens", "full"])
+    batch = sample(plain, step_problems(plain, 0), 0)
+    again = sample(ckpt, step_problems(ckpt, 0), 0)
+    assert torch.equal(batch.tokens, again.tokens)
     counts = []
     for run, b in ((plain, batch), (ckpt, again)):
-        problems = [run.task.train_problem(0, i, run.excluded) for i in range(run.cfg.prompts_per_step)]
-        rewards, _ = score_rewards(run, b, [p for p in problems for _ in range(run.cfg.group_size)], 0)
-        add_advantages(run, b, rewards)
+        _stages(run, b)
         calls = _attention_calls(run.models.policy)
         terms = run.loss.token_terms(b)
         forward = calls[0]
@@ -254,7 +259,7 @@ def test_a_resume_refuses_an_adapter_that_changed_since_the_run_started(tmp_path
     _save_adapter(adapter_dir)
     cfg = tiny_cfg(tmp_path / "run", adapter=str(adapter_dir), lora_rank=4, steps=2)
     with pytest.warns(UserWarning):
-        assert train(cfg, progress=False, stop_after=1) == {"stopped_at": 1}
+        interrupted_train(cfg, 1)
     torch.manual_seed(1)  # the same LoRA shapes with other random factors
     _save_adapter(adapter_dir)
     with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="trained from another adapter than"):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,11 +18,42 @@ from safetensors.torch import load_file
 
 from tether.train.config import TrainConfig
 from tether.train.metrics import PLOTTED, curve_data, plotted_panels
-from tether.train.recipe import RewardError, accumulate_gradients, build_run, rollout, score_rewards, add_advantages, train
+from tether.train import recipe
+from tether.train.recipe import (RewardError, accumulate_gradients, add_advantages, add_reference, build_run, sample,
+                                 score_rewards, step_problems, train)
 
 HERE = Path(__file__).parent
 COUNT_TASK = str(HERE / "count_task.py")
 TIMING_KEYS = {"step_time", "tokens_per_s"}
+
+
+def prepared(run, step: int = 0):
+    """Step ``step``'s record after the rollout, reward, reference and advantage stages (what the
+    loss reads), with the reward scores."""
+    problems = step_problems(run, step)
+    record = sample(run, problems, step)
+    scores = score_rewards(run, record, problems, step)
+    add_reference(run, record)
+    add_advantages(run, record)
+    return record, scores
+
+
+class _Killed(Exception):
+    """Stands for the process dying between two steps."""
+
+
+def interrupted_train(cfg: TrainConfig, after: int) -> None:
+    """Run ``cfg`` as if the process died once ``after`` steps were done: what the run directory
+    holds is what the loop had written by then (checkpoints at its cadence, logs)."""
+    real = recipe.train_step
+
+    def step(run, index, *rest):
+        if index >= after:
+            raise _Killed
+        return real(run, index, *rest)
+
+    with mock.patch.object(recipe, "train_step", step), pytest.raises(_Killed):
+        train(cfg, progress=False)
 
 
 def tiny_cfg(out: Path, **kw) -> TrainConfig:
@@ -101,7 +133,7 @@ def test_moving_reference_checkpoints_and_resumes_exactly(tmp_path, update):
     clean = tmp_path / "clean"
     train(tiny_cfg(clean, **kw), progress=False)
     cut = tmp_path / "cut"
-    assert train(tiny_cfg(cut, **kw), progress=False, stop_after=2) == {"stopped_at": 2}
+    interrupted_train(tiny_cfg(cut, **kw), 2)
     state = json.loads((cut / "checkpoints" / (cut / "checkpoints" / "latest").read_text() / "state.json").read_text())
     assert state["reference_updater"]["num_updates"] == 2 and "reference" not in state["reference_updater"]
     train(TrainConfig.from_yaml(cut / "config.yaml"), resume=True, progress=False)
@@ -118,10 +150,8 @@ def test_gradient_accumulation_invariance(tmp_path, aggregation):
     grads = []
     for micro in (6, 1, 3):
         run = build_run(tiny_cfg(tmp_path / f"m{micro}", micro_batch_size=micro, aggregation=aggregation))
-        batch, problems = rollout(run, 0)
-        rewards, _ = score_rewards(run, batch, problems, 0)
-        add_advantages(run, batch, rewards)
-        accumulate_gradients(run, batch)
+        record, _ = prepared(run)
+        accumulate_gradients(run, record)
         grads.append({n: p.grad.clone() for n, p in run.models.policy.named_parameters() if p.grad is not None})
     assert grads[0] and any(g.abs().sum() > 0 for g in grads[0].values())
     # float32 model: micro-batches of different sizes (and prompt sharing within them) sum
@@ -174,22 +204,19 @@ def test_logged_diagnostics_equal_one_full_batch_call_off_policy(tmp_path, aggre
     per-token terms can match it.
     """
     run = build_run(tiny_cfg(tmp_path / "run", aggregation=aggregation, kl_coef=0.3))
-    batch, problems = rollout(run, 0)
-    rewards, _ = score_rewards(run, batch, problems, 0)
-    add_advantages(run, batch, rewards)
-    mask = batch["masks", "all_assistant_mask"]
+    run.optimizer.param_groups[0]["lr"] = 0.0  # the updates leave the weights alone: every call sees one policy
+    record, _ = prepared(run)
+    mask = record.assistant_mask
     offset = torch.linspace(-0.6, 0.6, mask.numel()).reshape(mask.shape) * mask
-    batch.set(("log_probs", "full"), batch["log_probs", "full"] + offset)
+    record.sample_log_probs = record.sample_log_probs + offset
     signs = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None]  # so that both clip sides act
-    batch.set("advantage", signs.expand_as(mask) * mask)
+    record.advantages = signs.expand_as(mask) * mask
     with torch.no_grad():
-        full = run.loss(batch)
+        full = run.loss.reduce(run.loss.token_terms(record))
     assert float(full.ESS) < 0.99 and float(full.clip_fraction) > 0
-    expected = {"ESS": full.ESS, "clip_fraction": full.clip_fraction, "entropy": full.entropy,
-                "kl_to_ref": full.kl_to_ref, "loss": full.total_loss()}
-    for micro in (1, 3, batch.shape[0]):
+    for micro in (1, 3, len(record)):
         run.cfg.micro_batch_size = micro
-        logged = accumulate_gradients(run, batch)
-        assert logged.keys() == expected.keys()
-        for name, value in expected.items():
-            assert logged[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), (micro, name)
+        logged = recipe.optimize(run, record, 0).output  # what train_step logs
+        for name in ("ESS", "clip_fraction", "entropy", "kl_to_ref", "kl_approx"):
+            assert float(getattr(logged, name)) == pytest.approx(float(getattr(full, name)), rel=1e-5, abs=1e-7), (micro, name)
+        assert float(logged.total_loss()) == pytest.approx(float(full.total_loss()), rel=1e-5, abs=1e-7)

@@ -15,7 +15,7 @@ from tests.train.test_data import ROWS, write_jsonl
 from tests.train.test_recipe import tiny_cfg
 from tether.models import SequenceRewardModel
 from tether.train.cli import main
-from tether.train.recipe import RewardError, build_run, rollout, score_batch, train
+from tether.train.recipe import RewardError, build_run, sample, score_rewards, step_problems, train
 from tether.train.rewards import (FunctionScorer, RewardFunction, RewardModelFunction, Samples, load_reward_funcs,
                                   parse_weights)
 from tether.train.tasks import Problem
@@ -209,9 +209,10 @@ def test_logged_rewards_are_the_functions_values(tmp_path):
     """On a real rollout: the total is 1*odd_share + 3*level_bonus where level_bonus applies, and each
     function's logged value is its mean where it applies."""
     run = build_run(run_cfg(tmp_path, reward_weights="1,3"))
-    batch, problems = rollout(run, 0)
-    out = score_batch(run, batch, problems, 0)
-    completions = batch.get(("text", "response")).tolist()
+    problems = step_problems(run, 0)
+    record = sample(run, problems, 0)
+    out = score_rewards(run, record, problems, 0)
+    completions = record.responses
     odd = torch.tensor([sum(ord(ch) % 2 for ch in c) / max(len(c), 1) for c in completions], dtype=torch.float64)
     level = torch.tensor([0.5 * p.columns["level"] for p in problems], dtype=torch.float64)
     torch.testing.assert_close(out.total.double(), odd + 3 * level, rtol=1e-6, atol=1e-7)
@@ -230,9 +231,10 @@ def test_reward_funcs_replace_a_tasks_reward_and_keep_its_accuracy(tmp_path):
     rewards = "def knows(prompts, completions, answer, **kw):\n    return [float(a in c) for c, a in zip(completions, answer)]\n"
     (tmp_path / "r.py").write_text(rewards)
     run = build_run(tiny_cfg(tmp_path / "run", task="arithmetic", reward_funcs=str(tmp_path / "r.py")))
-    batch, problems = rollout(run, 0)
-    out = score_batch(run, batch, problems, 0)
-    completions = batch.get(("text", "response")).tolist()
+    problems = step_problems(run, 0)
+    record = sample(run, problems, 0)
+    out = score_rewards(run, record, problems, 0)
+    completions = record.responses
     assert out.total.tolist() == [float(p.answer in c) for c, p in zip(completions, problems)]
     assert out.correct is not None and out.correct.shape == (len(problems),)
 

@@ -65,7 +65,7 @@ def test_recipe_step_on_scripted_tool_episodes(tmp_path, monkeypatch):
     monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
     run = build_run(cfg(tmp_path / "run", prompts_per_step=4))
     record = train_step(run, 0)
-    problems = [run.task.train_problem(0, i, run.excluded) for i in range(4)]
+    problems = [run.task.train_problem(0, i, run.excluded) for i in range(4)]  # the step's 4 problems, unrepeated
     callers = [int(p.answer) for p in problems if int(p.chat[-1]["content"].split()[2]) % 2 == 0]
     rate = len(callers) / 4
     assert 0 < rate < 1, "choose a seed with both kinds of problems"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_recipe import tiny_cfg
+from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
 from tether.train.metrics import PLOTTED, constant_panels, plotted_panels
 from tether.train.recipe import train
@@ -72,7 +72,7 @@ def test_resume_cuts_tensorboard_and_completions_back(tmp_path):
     and in completions.jsonl, as in metrics.jsonl."""
     run = tmp_path / "run"
     kw = dict(steps=4, report_to="tensorboard", log_completions_every=1, checkpoint_every=2)
-    train(tiny_cfg(run, **kw), progress=False, stop_after=3)
+    interrupted_train(tiny_cfg(run, **kw), 3)
     train(TrainConfig.from_yaml(run / "config.yaml"), resume=True, progress=False)
     assert [e.step for e in _events(run).Scalars("reward_mean")] == [1, 2, 3, 4]
     assert [r["step"] for r in _lines(run / COMPLETIONS_FILE)] == [s for s in (1, 2, 3, 4) for _ in range(6)]

@@ -33,14 +33,9 @@ from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
+from tether.models.score_sink import HeadHidden, ScoredTokens, TokenSink, check_where
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
-from tether.ops import (
-    TokenStats,
-    exact_kl_from_hidden,
-    token_entropy,
-    token_logprobs,
-    token_stats_from_hidden,
-)
+from tether.ops import TokenStats, token_entropy, token_logprobs
 from tether.ops._vocab_checks import check_token_ids
 
 # Most ``rows * longest_row`` tokens per forward pass. Measured on the embedded model on CPU
@@ -117,7 +112,10 @@ def score_tokens(
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     with_entropy: bool = False,
     share_prefix: bool = False,
-) -> TokenStats:
+    where: Tensor | None = None,
+    keep_hidden: bool = False,
+    kl_to: HeadHidden | None = None,
+) -> ScoredTokens:
     """Log-prob (and entropy) of each token given its prefix, padding-free.
 
     Args:
@@ -131,10 +129,16 @@ def score_tokens(
         share_prefix: run each distinct prompt prefix through the decoder once when rows
             share it (GRPO groups); see ``tether.models.shared_prefix``. Same values up to
             float rounding; falls back to plain scoring when sharing saves little.
+        where: ``bool [B, T]`` positions to score (e.g. the assistant mask); the output head
+            runs only there and every other position is 0. None: every position.
+        keep_hidden: also return the hidden states at ``where`` (``ScoredTokens.hidden``).
+        kl_to: hidden states another model kept at the same ``where`` of the same tokens;
+            the exact full-vocabulary KL from this model to that one is returned per token
+            (``ScoredTokens.exact_kl``, no gradient).
 
     Returns:
-        ``TokenStats`` with ``log_probs [B, T]`` (and ``entropy [B, T]``), 0 at the first
-        valid token of each row and at every padding position. Differentiable w.r.t. the
+        ``ScoredTokens`` with ``log_probs [B, T]`` (and ``entropy [B, T]``), 0 at the first
+        valid token of each row, at padding and outside ``where``. Differentiable w.r.t. the
         model's parameters when grad mode is on.
     """
     if tokens.shape != attention_mask.shape or tokens.ndim != 2:
@@ -145,6 +149,7 @@ def score_tokens(
     if token_budget < 1:
         raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
     check_token_ids("tokens", tokens)
+    check_where(where, tokens)
     check_fits_model(model, tokens, attention_mask)
     with ExitStack() as stack:
         if isinstance(model, AdapterDisabledReference):
@@ -152,66 +157,53 @@ def score_tokens(
             # off, and never let gradients reach the shared parameters through it.
             stack.enter_context(torch.no_grad())
             model = stack.enter_context(model.disabled())
-        if share_prefix:
-            shared = _score_shared(model, tokens, attention_mask, temperature, chunk_size, token_budget, with_entropy)
-            if shared is not None:
-                return shared
-        return _score(model, tokens, attention_mask, temperature, chunk_size, token_budget, with_entropy)
+        parts = causal_lm_parts(model)
+        if parts.decoder is None and (keep_hidden or kl_to is not None):
+            raise TypeError(
+                f"model: {type(model).__name__} has a non-linear output head (soft-capping or logit scaling); "
+                "hidden states and the exact KL from them need a plain linear head. Use the sampled KL instead."
+            )
+        sink = TokenSink(parts.head, tuple(tokens.shape), where=where, temperature=temperature, chunk_size=chunk_size,
+                         with_entropy=with_entropy, keep_hidden=keep_hidden, kl_to=kl_to)
+        if not (share_prefix and _score_shared(parts, tokens, attention_mask, token_budget, sink)):
+            _score(parts, tokens, attention_mask, token_budget, sink)
+        return sink.result()
 
 
-def _score_shared(model, tokens, attention_mask, temperature, chunk_size, token_budget, with_entropy) -> TokenStats | None:
-    parts = causal_lm_parts(model)
+def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int,
+                  sink: TokenSink) -> bool:
+    """Score through the shared-prefix split; False (nothing scored) when it does not apply."""
     if parts.decoder is None:
-        return None
+        return False
     if torch.is_grad_enabled() and checkpointed_layers(parts.decoder):
         # A checkpointed layer drops the KV cache the suffixes would be scored on.
-        return None
+        return False
     row_spans(attention_mask)  # same contiguity contract (and error) as plain scoring
     split = plan_prefix_split(tokens, attention_mask)
     if split is None:
-        return None
-    return score_with_shared_prefix(
-        parts.decoder, parts.head, tokens, attention_mask.bool(), split, temperature=temperature,
-        chunk_size=chunk_size, token_budget=token_budget, with_entropy=with_entropy,
-    )
+        return False
+    return score_with_shared_prefix(parts.decoder, tokens, attention_mask.bool(), split,
+                                    token_budget=token_budget, sink=sink)
 
 
-def _score(
-    model: nn.Module,
-    tokens: Tensor,
-    attention_mask: Tensor,
-    temperature: float,
-    chunk_size: int | None,
-    token_budget: int,
-    with_entropy: bool,
-) -> TokenStats:
-    parts = causal_lm_parts(model)
+def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int, sink: TokenSink) -> None:
     device = parts.head.weight.device
-    batch, width = tokens.shape
-    flat_lp: list[Tensor] = []
-    flat_ent: list[Tensor] = []
-    flat_index: list[Tensor] = []
     for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
-        stats = _micro_batch_stats(parts, mb.ids, mb.valid, temperature, chunk_size, with_entropy)
-        flat_index.append(mb.flat_index)
-        flat_lp.append(stats.log_probs[mb.keep])
-        if with_entropy:
-            flat_ent.append(stats.entropy[mb.keep])
-    log_probs = scatter_tokens(flat_index, flat_lp, batch, width, device)
-    entropy = scatter_tokens(flat_index, flat_ent, batch, width, device) if with_entropy else None
-    return TokenStats(log_probs=log_probs, entropy=entropy)
-
-
-def _last_hidden(model: nn.Module, ids: Tensor, valid: Tensor) -> tuple[Tensor, nn.Module]:
-    """Final hidden states ``[b, L, H]`` of a plain-head causal LM and its head."""
-    parts = causal_lm_parts(model)
-    if parts.decoder is None:
-        raise TypeError(
-            f"model: {type(model).__name__} has a non-linear output head (soft-capping or logit "
-            "scaling); exact KL from hidden states needs a plain linear head."
-        )
-    hidden = parts.decoder(input_ids=ids, attention_mask=valid.long(), use_cache=False).last_hidden_state
-    return hidden, parts.head
+        labels = mb.ids[:, 1:]
+        if parts.decoder is not None:
+            hidden = parts.decoder(input_ids=mb.ids, attention_mask=mb.valid.long(), use_cache=False).last_hidden_state
+            sink.add(hidden[:, :-1][mb.keep], labels[mb.keep], mb.flat_index)
+            continue
+        logits = parts.model(input_ids=mb.ids, attention_mask=mb.valid.long(), use_cache=False).logits[:, :-1]
+        kwargs = {"temperature": sink.kwargs["temperature"], "chunk_size": sink.kwargs.get("chunk_size")}
+        log_probs = token_logprobs(logits, labels, **kwargs)[mb.keep]
+        entropy = token_entropy(logits, **kwargs)[mb.keep] if sink.with_entropy else None
+        chosen = sink.chosen(mb.flat_index)
+        if chosen is None:
+            sink.add_values(TokenStats(log_probs, entropy), mb.flat_index)
+        else:
+            sink.add_values(TokenStats(log_probs[chosen], None if entropy is None else entropy[chosen]),
+                            mb.flat_index[chosen])
 
 
 @torch.no_grad()
@@ -231,65 +223,15 @@ def exact_kl_tokens(
     Aligned like log-probs: entry ``t`` is the KL of the distributions that predict token
     ``t``; 0 at each row's first token and at padding. Full-vocabulary, never ``[B, T, V]``.
     ``where`` (``bool [B, T]``, e.g. the assistant mask) limits the vocabulary-wide work to
-    those positions (0 elsewhere): the decoders still read whole rows for the context, but
-    the two heads, the softmaxes and the KL run only where the value is wanted.
+    those positions (0 elsewhere). Two scoring passes: the reference's keeps its hidden
+    states at ``where``, the model's compares its own with them (``score_tokens(kl_to=)``).
     """
-    if where is not None and (where.shape != tokens.shape or where.dtype != torch.bool):
-        raise ValueError(
-            f"where: expected a bool mask of the tokens' shape {tuple(tokens.shape)}, got "
-            f"{where.dtype} {tuple(where.shape)}. Pass e.g. the assistant mask, or None for every position."
-        )
-    parts = causal_lm_parts(model)
-    device = parts.head.weight.device
-    batch, width = tokens.shape
-    check_token_ids("tokens", tokens)
+    mask = attention_mask.bool()
+    check_where(where, tokens)
+    scored = mask.clone()
+    scored[torch.arange(mask.shape[0]), row_spans(mask)[0]] = False  # a row's first token has no prediction
+    where = scored if where is None else where & scored
+    common = {"temperature": temperature, "chunk_size": chunk_size, "token_budget": token_budget, "where": where}
     check_fits_model(model, tokens, attention_mask)
-    check_fits_model(reference, tokens, attention_mask)
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-    values: list[Tensor] = []
-    index: list[Tensor] = []
-    for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
-        hidden, head = _last_hidden(model, mb.ids, mb.valid)
-        with ExitStack() as stack:
-            ref = reference
-            if isinstance(reference, AdapterDisabledReference):
-                ref = stack.enter_context(reference.disabled())
-            ref_hidden, ref_head = _last_hidden(ref, mb.ids, mb.valid)
-        # Kept positions, flattened in the order of mb.flat_index, then narrowed to ``where``.
-        chosen = torch.ones_like(mb.flat_index, dtype=torch.bool) if where is None else where.reshape(-1).to(device)[mb.flat_index]
-        values.append(exact_kl_from_hidden(
-            hidden[:, :-1][mb.keep][chosen], head.weight, ref_hidden[:, :-1][mb.keep][chosen], ref_head.weight,
-            temperature=temperature, lm_head_bias=getattr(head, "bias", None),
-            ref_lm_head_bias=getattr(ref_head, "bias", None), **kwargs,
-        ))
-        index.append(mb.flat_index[chosen])
-    return scatter_tokens(index, values, batch, width, device)
-
-
-def _micro_batch_stats(
-    parts: CausalLMParts,
-    ids: Tensor,
-    valid: Tensor,
-    temperature: float,
-    chunk_size: int | None,
-    with_entropy: bool,
-) -> TokenStats:
-    """Stats of ``ids[:, 1:]`` given their prefixes for one right-padded micro-batch."""
-    mask = valid.long()
-    labels = ids[:, 1:]
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-    if parts.decoder is not None:
-        hidden = parts.decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        return token_stats_from_hidden(
-            hidden[:, :-1],
-            parts.head.weight,
-            labels,
-            temperature=temperature,
-            lm_head_bias=getattr(parts.head, "bias", None),
-            with_entropy=with_entropy,
-            **kwargs,
-        )
-    logits = parts.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-    log_probs = token_logprobs(logits, labels, temperature=temperature, chunk_size=chunk_size)
-    entropy = token_entropy(logits, temperature=temperature, chunk_size=chunk_size) if with_entropy else None
-    return TokenStats(log_probs=log_probs, entropy=entropy)
+    ref = score_tokens(reference, tokens, attention_mask, keep_hidden=True, **common)
+    return score_tokens(model, tokens, attention_mask, kl_to=ref.hidden, **common).exact_kl

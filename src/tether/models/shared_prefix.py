@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tether._compat import cache_layers, new_cache
-from tether.models.score_plan import first_of_each, plan_equal_length_batches, plan_micro_batches, scatter_tokens
+from tether.models.score_plan import first_of_each, plan_equal_length_batches, plan_micro_batches
+from tether.models.score_sink import TokenSink
 from tether.ops import TokenStats, token_stats_from_hidden
 
 
@@ -125,53 +126,63 @@ def _run_prefixes(
 
 def score_with_shared_prefix(
     decoder: nn.Module,
-    head: nn.Module,
     tokens: Tensor,
     attention_mask: Tensor,
     split: PrefixSplit,
     *,
-    temperature: float,
-    chunk_size: int | None,
     token_budget: int,
-    with_entropy: bool,
-) -> TokenStats | None:
-    """Per-token stats of ``tokens [B, T]`` scored with ``split`` (see module doc).
+    sink: TokenSink,
+) -> bool:
+    """Score ``tokens [B, T]`` with ``split`` (see module doc) into ``sink``.
 
-    Returns None when the decoder's cache is not a plain ``DynamicCache`` (sliding-window
-    or hybrid layers), in which case the caller must score without sharing.
+    Returns False, having scored nothing, when the decoder's cache is not a plain
+    ``DynamicCache`` (sliding-window or hybrid layers): the caller must score without sharing.
     """
-    batch, width = tokens.shape
-    device = head.weight.device
     mask = attention_mask.bool()
     cut = split.width
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-    bias = getattr(head, "bias", None)
-
-    def stats(hidden: Tensor, labels: Tensor) -> TokenStats:
-        return token_stats_from_hidden(hidden, head.weight, labels, temperature=temperature,
-                                       lm_head_bias=bias, with_entropy=with_entropy, **kwargs)
-
     reps = split.representatives
     prefix_ids = tokens[reps, :cut].masked_fill(~mask[reps, :cut], 0)
     prefix_mask = mask[reps, :cut]
     prefix = _run_prefixes(decoder, prefix_ids, prefix_mask, token_budget)
     if prefix is None:
-        return None
+        return False
     prefix_hidden, prefix_kv = prefix
-
-    values: list[TokenStats] = []
-    index: list[Tensor] = []
-
-    # Tokens 1..P-1 of each prefix, computed once and copied to every row sharing it.
     if cut > 1:
-        inner = stats(prefix_hidden[:, :-1], prefix_ids[:, 1:])
-        keep = (prefix_mask[:, :-1] & prefix_mask[:, 1:])[split.inverse]  # [B, P-1]
-        rows = torch.arange(batch, device=device)[:, None].expand(batch, cut - 1)
-        cols = torch.arange(1, cut, device=device)[None, :].expand(batch, cut - 1)
-        values.append(_gather_rows(inner, split.inverse, keep))
-        index.append((rows * width + cols)[keep])
+        _score_prefix_tokens(prefix_hidden, prefix_ids, prefix_mask, split, tokens.shape[1], sink)
+    _score_suffixes(decoder, tokens, mask, split, prefix_hidden, prefix_kv, token_budget, sink)
+    return True
 
-    # Suffixes on top of their prefix's cache; token P is predicted from the prefix.
+
+def _score_prefix_tokens(prefix_hidden: Tensor, prefix_ids: Tensor, prefix_mask: Tensor, split: PrefixSplit,
+                         width: int, sink: TokenSink) -> None:
+    """Tokens ``1..P-1`` of each row, predicted inside its prefix.
+
+    Without ``where`` they are computed once per distinct prefix and copied to every row
+    sharing it; with ``where`` only the wanted positions are, row by row (an answer rarely
+    reaches into the shared prefix, so there is usually nothing to do).
+    """
+    batch, cut = split.inverse.shape[0], prefix_ids.shape[1]
+    keep = (prefix_mask[:, :-1] & prefix_mask[:, 1:])[split.inverse]  # [B, P-1]: predicts token col + 1
+    rows, cols = keep.nonzero(as_tuple=True)
+    flat = rows * width + cols + 1
+    chosen = sink.chosen(flat)
+    if chosen is None:
+        inner = token_stats_from_hidden(prefix_hidden[:, :-1], sink.head.weight, prefix_ids[:, 1:],
+                                        lm_head_bias=getattr(sink.head, "bias", None),
+                                        with_entropy=sink.with_entropy, **sink.kwargs)
+        which = split.inverse[rows]
+        entropy = inner.entropy[which, cols] if sink.with_entropy else None
+        sink.add_values(TokenStats(inner.log_probs[which, cols], entropy), flat)
+        return
+    rows, cols, flat = rows[chosen], cols[chosen], flat[chosen]
+    which = split.inverse[rows]
+    sink.add(prefix_hidden[which, cols], prefix_ids[which, cols + 1], flat)
+
+
+def _score_suffixes(decoder: nn.Module, tokens: Tensor, mask: Tensor, split: PrefixSplit, prefix_hidden: Tensor,
+                    prefix_kv: list[tuple[Tensor, Tensor]], token_budget: int, sink: TokenSink) -> None:
+    """Each row's suffix on top of its prefix's cache; token ``P`` is predicted from the prefix."""
+    width, cut = tokens.shape[1], split.width
     suffix_len = mask[:, cut:].sum(-1)
     positions = _positions(mask)
     with_suffix = (suffix_len > 0).nonzero().flatten()  # rows ending at column P-1 have none
@@ -190,19 +201,5 @@ def score_with_shared_prefix(
             use_cache=True,
         ).last_hidden_state
         context = torch.cat([prefix_hidden[which, -1:], hidden[:, :-1]], dim=1)  # [r, L, H]
-        part = stats(context, ids)
-        values.append(TokenStats(log_probs=part.log_probs[valid],
-                                 entropy=part.entropy[valid] if with_entropy else None))
-        cols = torch.arange(cut, cut + longest, device=device)
-        index.append((rows[:, None] * width + cols[None, :])[valid])
-
-    log_probs = scatter_tokens(index, [v.log_probs for v in values], batch, width, device)
-    entropy = scatter_tokens(index, [v.entropy for v in values], batch, width, device) if with_entropy else None
-    return TokenStats(log_probs=log_probs, entropy=entropy)
-
-
-def _gather_rows(stats: TokenStats, inverse: Tensor, keep: Tensor) -> TokenStats:
-    """Expand per-prefix stats ``[U, P-1]`` to rows ``[B, P-1]`` and flatten where ``keep``."""
-    log_probs = stats.log_probs[inverse][keep]
-    entropy = stats.entropy[inverse][keep] if stats.entropy is not None else None
-    return TokenStats(log_probs=log_probs, entropy=entropy)
+        cols = torch.arange(cut, cut + longest, device=ids.device)
+        sink.add(context[valid], ids[valid], (rows[:, None] * width + cols[None, :])[valid])

@@ -41,6 +41,7 @@ from tether.models.batch_io import (
 )
 from tether.models.chat import tokenize_chats
 from tether.models.sampling import check_sampling_options, sample_responses
+from tether.models.score_sink import HeadHidden, ScoredTokens
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import PADDING_SIDES, TokenStats, mask_from_lengths
@@ -198,10 +199,13 @@ class TransformersWrapper(TensorDictModuleBase):
             self._score(td)
         return td
 
-    def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False) -> TokenStats:
+    def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False, where: Tensor | None = None,
+              keep_hidden: bool = False, kl_to: HeadHidden | None = None) -> ScoredTokens:
         """Per-token log-probs (and entropies) of ``tokens [B, T]`` under this model.
 
-        Differentiable when grad mode is on; the result lives on the model's device.
+        ``where``, ``keep_hidden`` and ``kl_to`` are those of ``tether.models.scoring.score_tokens``
+        (score only some positions, keep their hidden states, exact KL against another
+        model's). Differentiable when grad mode is on; the result lives on the model's device.
         """
         return score_tokens(
             self.model,
@@ -212,6 +216,9 @@ class TransformersWrapper(TensorDictModuleBase):
             token_budget=self.token_budget,
             with_entropy=with_entropy,
             share_prefix=self.share_prefix,
+            where=None if where is None else where.to(self.device),
+            keep_hidden=keep_hidden,
+            kl_to=kl_to,
         )
 
     # ---------------------------------------------------------------- encoding

@@ -35,10 +35,14 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, read_grpo_batch
+from tether.models import TransformersWrapper
+from tether.models.score_sink import HeadHidden
+from tether.models.step_record import StepRecord
+from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
 from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
 from tether.ops.registry import lookup
 from tether.ops import (
+    TokenStats,
     aggregate,
     clipped_surrogate,
     effective_sample_size,
@@ -248,15 +252,27 @@ class GRPOLoss(nn.Module):
         """Loss terms and diagnostics of one (micro-)batch; ``td`` is left unchanged."""
         return self.reduce(self.token_terms(td), denominator=denominator)
 
-    def token_terms(self, td: TensorDictBase) -> GRPOTokenTerms:
-        """Every loss term and diagnostic of ``td`` per token (``[B, T]``), not yet reduced."""
-        batch = read_grpo_batch(
-            td,
-            self._tensor_keys,
-            with_ref=self.kl_to_ref_coeff is not None,
-            with_old=self.importance_correction is not None,
-        )
-        stats = self.actor_network.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus)
+    def token_terms(self, data: TensorDictBase | StepRecord) -> GRPOTokenTerms:
+        """Every loss term and diagnostic of ``data`` per token (``[B, T]``), not yet reduced.
+
+        ``data`` is a TensorDict under the loss's keys (the TorchRL-compatible edge) or a
+        ``StepRecord``; both become one ``GRPOBatch`` and take the same path. A record that
+        carries the reference's hidden states (``ref_hidden``) also gets the exact
+        full-vocabulary KL to the reference per token (``kl_to_ref_exact``), computed from the
+        policy's hidden states of this very pass: two head projections, no extra forward.
+        """
+        with_ref, with_old = self.kl_to_ref_coeff is not None, self.importance_correction is not None
+        if isinstance(data, StepRecord):
+            batch = grpo_batch_from_record(data, with_ref=with_ref, with_old=with_old)
+            ref_hidden = data.ref_hidden
+        else:
+            batch = read_grpo_batch(data, self._tensor_keys, with_ref=with_ref, with_old=with_old)
+            ref_hidden = None
+        return self.terms(batch, ref_hidden=ref_hidden)
+
+    def terms(self, batch: GRPOBatch, *, ref_hidden: HeadHidden | None = None) -> GRPOTokenTerms:
+        """The tensor-level core of ``token_terms``: the per-token terms of one ``GRPOBatch``."""
+        stats = self._score(batch, ref_hidden)
         if self.entropy_bonus and stats.entropy is None:
             raise TypeError(
                 f"actor_network.score(..., with_entropy=True) returned no entropy ({type(self.actor_network).__name__}); "
@@ -296,7 +312,18 @@ class GRPOLoss(nn.Module):
             terms.kl_to_ref_term, terms.kl_to_ref = self._kl(cur, batch.ref_log_probs, batch)
         if self.kl_to_inference_coeff is not None:
             terms.kl_to_inference_term, terms.kl_to_inference = self._kl(cur, batch.sample_log_probs, batch)
+        if getattr(stats, "exact_kl", None) is not None:
+            terms.kl_to_ref_exact = torch.where(mask, stats.exact_kl.to(cur.dtype), zero)
         return terms
+
+    def _score(self, batch: GRPOBatch, ref_hidden: HeadHidden | None) -> TokenStats:
+        """The policy's log-probs (and entropy) of the batch; with tether's own wrapper the head
+        runs only on the trained tokens, and the exact KL comes along when ``ref_hidden`` is given."""
+        actor = self.actor_network
+        if not isinstance(actor, TransformersWrapper):  # any object with score(tokens, mask, *, with_entropy)
+            return actor.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus)
+        return actor.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus, where=batch.mask,
+                           kl_to=ref_hidden)
 
     def reduce(self, terms: GRPOTokenTerms, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:
         """``aggregate`` every term of ``terms`` into the loss's output record.
@@ -320,6 +347,8 @@ class GRPOLoss(nn.Module):
         if terms.entropy is not None:
             out["entropy"] = mean(terms.entropy.detach())
             out["loss_entropy"] = -self.entropy_coeff * reduce(terms.entropy)
+        if terms.kl_to_ref_exact is not None:
+            out["kl_to_ref_exact"] = mean(terms.kl_to_ref_exact)
         for name, coeff in (("kl_to_ref", self.kl_to_ref_coeff), ("kl_to_inference", self.kl_to_inference_coeff)):
             term, estimate = getattr(terms, f"{name}_term"), getattr(terms, name)
             if term is not None:

@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor
 
+from tether.models.step_record import StepRecord
 from tether.objectives._td import fetch, missing, present
 from tether.ops import nested_to_padded
 from tether.ops._vocab_checks import check_mask, check_same_device, check_token_ids
@@ -222,4 +223,31 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
         advantage=advantage,
         ref_log_probs=None if ref is None else ref.detach(),
         old_log_probs=old,
+    )
+
+
+def grpo_batch_from_record(record: StepRecord, *, with_ref: bool, with_old: bool) -> GRPOBatch:
+    """The ``GRPOBatch`` of a ``StepRecord`` whose reference (if ``with_ref``) and advantage
+    stages have run; the same checks and zeroing as ``read_grpo_batch``, with no key look-ups."""
+    mask = record.assistant_mask & record.attention_mask
+    for name, value, wanted in (("advantages", record.advantages, True), ("ref_log_probs", record.ref_log_probs, with_ref)):
+        if wanted and value is None:
+            raise ValueError(f"StepRecord.{name} is None: run its stage before the loss (or build the loss "
+                             f"{'with kl_to_ref_coeff=None' if name == 'ref_log_probs' else 'after the advantage stage'}).")
+
+    def clean(value: Tensor | None, name: str) -> Tensor | None:
+        if value is None:
+            return None
+        _check_finite(value, mask.to(value.device), f"StepRecord.{name}")
+        return torch.where(mask.to(value.device), value, torch.zeros((), dtype=value.dtype, device=value.device)).detach()
+
+    advantage = record.advantages if record.advantages.dim() == 2 else record.advantages.reshape(-1, 1)
+    return GRPOBatch(
+        tokens=record.tokens,
+        attention_mask=record.attention_mask,
+        mask=mask,
+        sample_log_probs=clean(record.sample_log_probs, "sample_log_probs"),
+        advantage=clean(advantage, "advantages") if advantage.shape == mask.shape else advantage,
+        ref_log_probs=clean(record.ref_log_probs, "ref_log_probs") if with_ref else None,
+        old_log_probs=clean(record.old_log_probs, "old_log_probs") if with_old else None,
     )

@@ -41,6 +41,8 @@ class GRPOLossOutput:
         loss_kl_to_inference: ``kl_to_inference_coeff * aggregate(KL term)`` to the
             sampling policy (``None`` when disabled).
         kl_to_inference: masked mean of the per-token KL estimate to the sampling policy.
+        kl_to_ref_exact: masked mean of the exact full-vocabulary KL to the reference per
+            token (only when the batch carried the reference's hidden states).
     """
 
     loss_objective: Tensor
@@ -53,6 +55,7 @@ class GRPOLossOutput:
     kl_to_ref: Optional[Tensor] = None
     loss_kl_to_inference: Optional[Tensor] = None
     kl_to_inference: Optional[Tensor] = None
+    kl_to_ref_exact: Optional[Tensor] = None
 
     def total_loss(self) -> torch.Tensor:
         """Sum of the ``loss_*`` terms that are present: the scalar to call ``backward`` on."""
@@ -87,6 +90,8 @@ class GRPOTokenTerms:
         kl_to_ref_term / kl_to_ref: the KL loss term (differentiable) and the detached KL
             estimate against the reference, or ``None`` when that leash is off.
         kl_to_inference_term / kl_to_inference: the same against the sampling policy.
+        kl_to_ref_exact: the exact full-vocabulary KL to the reference (detached), or
+            ``None`` when the batch carried no reference hidden states.
     """
 
     mask: Tensor
@@ -99,6 +104,7 @@ class GRPOTokenTerms:
     kl_to_ref: Optional[Tensor] = None
     kl_to_inference_term: Optional[Tensor] = None
     kl_to_inference: Optional[Tensor] = None
+    kl_to_ref_exact: Optional[Tensor] = None
 
     def detach(self) -> "GRPOTokenTerms":
         """The same values cut from the graph (what a caller keeps after ``backward``)."""

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from tether.models import TransformersWrapper
@@ -261,14 +262,15 @@ class MultiTurnRollout(TensorDictModuleBase):
             td.set(("episode", name), torch.tensor(values, dtype=torch.long, device=device))
 
 
-def episode_metrics(td: TensorDictBase) -> dict[str, float]:
-    """Tool-use statistics of a batch written by ``MultiTurnRollout``.
+def episode_metrics(counters: Mapping[str, Tensor]) -> dict[str, float]:
+    """Tool-use statistics of the ``[B]`` episode counters ``MultiTurnRollout`` writes under
+    ``("episode", ...)`` (pass ``td["episode"]``, or ``StepRecord.episode``).
 
     ``tool_call_rate``: fraction of episodes that ran at least one tool call;
     ``tool_calls_per_episode``; ``tool_error_rate``: failed calls over all calls (0 with no
     calls); ``turns_per_episode``: assistant messages per episode.
     """
-    turns, calls, errors = (td.get(("episode", k)).double() for k in ("turns", "tool_calls", "tool_errors"))
+    turns, calls, errors = (counters[k].double() for k in ("turns", "tool_calls", "tool_errors"))
     total = float(calls.sum())
     return {
         "tool_call_rate": float((calls > 0).double().mean()),

@@ -19,10 +19,14 @@ import sys
 import warnings
 from dataclasses import fields
 from pathlib import Path
+from typing import Callable
 
 from tether.train.cli_parser import Parser, add_trl_flags, trl_flag_values
 from tether.train.config import TrainConfig
 from tether.train.tasks import TASKS, TaskError
+
+# The recipes ``tether cp`` copies: name -> module of tether.train.
+RECIPES = {"recipe": "recipe", "recipe_ray": "recipe_ray"}
 
 # Exceptions that report a problem with the user's input, files or task, not a bug in tether.
 _USER_ERRORS = (ValueError, KeyError, TaskError, OSError)
@@ -91,16 +95,47 @@ def _print_summary(summary: dict) -> None:
         print(f"  {key:26s} {shown}")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from tether.train.recipe import train
-
+def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
     try:
         cfg = _config(args).validate()
-        summary = train(cfg, resume=bool(args.resume), progress=not args.quiet)
+        summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
     except _USER_ERRORS as exc:
         return _fail("train", exc)
     _print_summary(summary)
     print(f"  run directory              {cfg.out}")
+    return 0
+
+
+def _train_fn(cfg: TrainConfig, given: Callable[..., dict] | None) -> Callable[..., dict]:
+    """The recipe that runs ``cfg``: a copied recipe's own ``train``, the Ray recipe with
+    ``workers > 0``, else the single-process one."""
+    if given is not None:
+        if cfg.workers > 0:
+            raise ValueError(f"workers={cfg.workers}: a copied recipe runs in one process; run the Ray topology "
+                             "with tether train --workers N, or copy tether.train.recipe_ray too.")
+        return given
+    if cfg.workers > 0:
+        from tether.train.recipe_ray import train
+    else:
+        from tether.train.recipe import train
+    return train
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    """Copy a shipped recipe to a file of the user's, to change and run with ``python FILE``."""
+    import importlib.util
+    import shutil
+
+    try:
+        source = importlib.util.find_spec(f"tether.train.{RECIPES[args.recipe]}").origin
+        dest = Path(args.dest)
+        if dest.exists() and not args.force:
+            raise ValueError(f"{dest}: exists; pass --force to replace it, or choose another path.")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest)
+    except _USER_ERRORS as exc:
+        return _fail("cp", exc)
+    print(f"tether cp: wrote {dest} (from tether.train.{RECIPES[args.recipe]}); run it with: python {dest} [tether train flags]")
     return 0
 
 
@@ -114,7 +149,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from tether.train.best import best_root
     from tether.train.evaluate import evaluate
-    from tether.train.recipe import build_run
+    from tether.train.run import build_run
     from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
 
     if args.run:
@@ -165,7 +200,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, train_fn: Callable[..., dict] | None = None) -> int:
+    """The ``tether`` command; ``train_fn`` replaces the recipe of ``train`` (a copied recipe's ``main``)."""
     # Every from_pretrained call already passes local_files_only; this also covers code that
     # the user's task or reward file runs, and libraries imported after this point.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -188,10 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--best", action="store_true", help="Export the best checkpoint (best/, kept by eval_every).")
     pl = sub.add_parser("plot", help="Write PNG plots of a run's metrics.jsonl.")
     pl.add_argument("run_dir")
+    c = sub.add_parser("cp", help="Copy a recipe's source to DEST to change it; run the copy with python DEST [flags].")
+    c.add_argument("recipe", choices=sorted(RECIPES), help="recipe: one process; recipe_ray: rollouts on Ray workers.")
+    c.add_argument("dest", metavar="DEST", help="The .py file to write.")
+    c.add_argument("--force", action="store_true", help="Replace DEST if it exists.")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the subcommand's parser, which knows its flags for a suggestion
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    handlers = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot}
+    handlers = {"train": lambda a: cmd_train(a, train_fn), "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot,
+                "cp": cmd_cp}
     # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
     shown = warnings.formatwarning
     warnings.formatwarning = lambda message, category, *_, **__: f"tether: {category.__name__}: {message}\n"

@@ -86,7 +86,7 @@ class TrainConfig:
     kl_controller: str = _f("constant", "'constant', 'adaptive' (Ziegler et al. 2019) or 'target' (holds the KL at kl_target every step; kl_coef is its start) control of beta.")
     kl_target: float = _f(1.0, "KL the adaptive or target controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
-    kl_signal: str = _f("sampled", "KL the controller and kl_bound read: 'sampled' (k1 along the sampled answers, free) or 'exact' (full-vocabulary KL at the answer positions, logged as kl_exact_*; one extra no-grad pass of policy and reference, about 2.7x a reference pass today).")
+    kl_signal: str = _f("exact", "KL the controller and kl_bound read: 'exact' (full-vocabulary KL at the answer tokens, computed in the loss pass from the reference's hidden states: two head projections, no extra forward) or 'sampled' (k1 along the sampled answers). Both are logged (kl_exact_* and kl_*); Ray runs and soft-capped heads have only the sampled one.")
     kl_bound: float = _f(3.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")

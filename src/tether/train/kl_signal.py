@@ -1,22 +1,26 @@
 """The KL the leash is measured by: the sampled k1 estimate and the exact full-vocabulary KL.
 
-Both are per answer (summed over its response tokens) and describe the policy that sampled
-the batch, before the step's update:
+Both are per answer (summed over its response tokens):
 
-* sampled: ``sum_t log pi(y_t) - log pi_ref(y_t)`` over the sampled tokens (k1). Unbiased
-  for the sequence KL, but each token adds the noise of its own draw, and a batch mean
-  can even be negative.
+* sampled: ``sum_t log pi_sampler(y_t) - log pi_ref(y_t)`` over the sampled tokens (k1).
+  Unbiased for the sequence KL, but each token adds the noise of its own draw, and a
+  batch mean can even be negative.
 * exact: ``sum_t KL(pi(.|y_<t) || pi_ref(.|y_<t))`` over the full vocabulary at each
-  position of the sampled answers (``tether.models.scoring.exact_kl_tokens``, from hidden
-  states in chunks, never ``[B, T, V]``). Its expectation over answers is the same
-  sequence KL; it drops the per-token sampling noise (a Rao-Blackwellised estimate) and
-  is never negative.
+  position of the sampled answers. Its expectation over answers is the same sequence KL;
+  it drops the per-token sampling noise (a Rao-Blackwellised estimate) and is never
+  negative. It is computed inside the loss pass (``GRPOLoss.token_terms`` on a
+  ``StepRecord`` carrying the reference's hidden states at the answer tokens), so it costs
+  two output-head projections at the answer positions and no extra forward pass.
 
-The controller is fed the exact KL (a cleaner signal for its derivative term), and the
-``kl_bound`` check uses it too. Models whose head is not a linear map of the last hidden
-state (soft-capped logits) have no exact KL; the sampled one is then used and the record's
-``kl_signal`` says so. The exact KL costs one no-grad forward of the policy and of the
-reference over the batch plus two chunked head projections.
+With ``kl_signal=exact`` (the default) the controller and the ``kl_bound`` check are fed
+the exact KL: the controller acts on a batch mean, and the exact KL's batch mean has the
+same expectation with less variance, so the controller's trend term reacts to the policy
+rather than to the draw. With one update per rollout the loss pass runs on the weights
+that sampled the batch, so both KLs describe the sampling policy; with several, each
+mini-batch's exact KL is that of the weights its update started from. Without an exact
+KL (a head that is not a linear map of the last hidden state, or a reference scored by a
+Ray ``ReferenceService``, which returns log-probs only) the sampled KL is used and the
+record's ``kl_signal`` says so.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tether.models.scoring import causal_lm_parts, exact_kl_tokens
+from tether.models.scoring import causal_lm_parts
 
 # The config's kl_signal choices (read by TrainConfig.validate).
 KL_SIGNALS: dict[str, str] = {
@@ -70,19 +74,13 @@ def has_exact_kl(policy: torch.nn.Module) -> bool:
     return causal_lm_parts(policy).decoder is not None
 
 
-def measure_kl(batch: Any, sampled: Tensor, *, policy: torch.nn.Module | None, reference: torch.nn.Module,
-               temperature: float) -> KLMeasurement:
-    """Both KLs of a sampled batch; ``policy=None`` skips the exact one.
+def measure_kl(sampled: Tensor, exact_tokens: Tensor | None, mask: Tensor) -> KLMeasurement:
+    """Both KLs of a batch.
 
     Args:
-        batch: the rollout TensorDict (``("tokens", "full")``, ``("masks", ...)``).
         sampled: ``[B]`` summed ``log pi - log pi_ref`` of each answer's sampled tokens.
-        policy, reference: the two models, scored at the sampling ``temperature``.
+        exact_tokens: ``[B, T]`` exact KL per token (``GRPOTokenTerms.kl_to_ref_exact``), or None.
+        mask: ``bool [B, T]`` the answer tokens.
     """
-    mask = batch["masks", "all_assistant_mask"]
-    exact = None
-    if policy is not None:
-        per_token = exact_kl_tokens(policy, reference, batch["tokens", "full"],
-                                    batch["masks", "all_attention_mask"], temperature=temperature, where=mask)
-        exact = (per_token.to(mask.device) * mask).sum(-1).double().cpu()
+    exact = None if exact_tokens is None else (exact_tokens * mask.to(exact_tokens.device)).sum(-1).double().cpu()
     return KLMeasurement(sampled=sampled.detach().double().cpu(), exact=exact, tokens=int(mask.sum()))

@@ -1,30 +1,38 @@
-"""The run a recipe steps: everything built once from the config (models, sampler, loss,
-optimizer, controller, reference updater, scorer, schedule), validated before anything is
-written. ``build_run`` is the "config -> models" part of ``tether.train.recipe``.
+"""The run a recipe steps: what is built once from the config (models, sampler, loss,
+optimizer, schedule, KL controller, reference updater, reward scorer, logs), validated
+before anything is written. ``build_run`` is the "config -> models" part of the recipes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from tether.control import make_kl_controller
+from tether.control import KLController, make_kl_controller
+from tether.ops.registry import lookup
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.objectives import GRPOLoss
 from tether.train.best import BestEval
 from tether.train.config import TrainConfig
 from tether.train.data import check_prompt_format, dataset_task
 from tether.train.metrics import MetricsLog
-from tether.train.rewards import build_scorer
+from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer
 from tether.train.schedule import make_lr_scheduler
-from tether.train.setup import build_models, reference_scorer
+from tether.train.setup import Models, build_models, reference_scorer
 from tether.train.tasks import Problem, load_task
 from tether.train.tool_rollout import check_tool_task
 from tether.train.tracking import NullTracker
+
+
+@dataclass
+class KLPenalty:
+    """The coefficient of the reward-mode KL penalty: what a controller drives when the leash
+    is in the reward rather than in the loss (there it drives ``GRPOLoss.kl_coef``)."""
+
+    kl_coef: float
 
 
 @dataclass
@@ -33,78 +41,81 @@ class Run:
 
     cfg: TrainConfig
     dir: Path
-    task: Any  # a Task, or a tether.train.data.DatasetTask with --dataset
+    task: Any  # a tether.train.tasks.Task, or a tether.train.data.DatasetTask with --dataset
     held_out: list[Problem]
-    excluded: set[str]
-    models: Any
+    models: Models
     sampler: TransformersWrapper
     ref_scorer: TransformersWrapper
     loss: GRPOLoss
     optimizer: torch.optim.Optimizer
-    controller: Any
-    coef: Any  # object whose kl_coef the controller drives
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    controller: KLController  # drives ``leash``
+    leash: GRPOLoss | KLPenalty  # the object whose kl_coef is the leash's beta
     ref_updater: ReferenceUpdater | None
     generator: torch.Generator
+    scorer: TaskScorer | FunctionScorer
     metrics: MetricsLog
-    workers: Any = None  # tether.ray.RolloutPool when cfg.workers > 0, else rollouts run in-process
-    scheduler: Any = None  # the learning-rate schedule, stepped once per training step
-    best: BestEval | None = None
-    tracker: Any = None  # TensorBoard (report_to) or a no-op; opened by train()
-    scorer: Any = None  # tether.train.rewards: the task's reward, or --reward-funcs / --reward-model
+    best: BestEval = field(default_factory=BestEval)
+    tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
+
+    @property
+    def excluded(self) -> set[str]:
+        """Keys of the held-out problems, never drawn for training."""
+        return {p.key for p in self.held_out}
+
+
+def _controller(cfg: TrainConfig, leash: GRPOLoss | KLPenalty) -> Any:
+    options = {"adaptive": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target, "horizon": cfg.kl_horizon},
+               "target": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
+               "constant": {"kl_coef": cfg.kl_coef}}
+    return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
+
+
+def _loss(cfg: TrainConfig, actor: TransformersWrapper) -> GRPOLoss:
+    in_loss = cfg.kl_mode == "loss"
+    return GRPOLoss(
+        actor, clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon,
+        entropy_bonus=True, entropy_coeff=cfg.entropy_coeff, aggregation=cfg.aggregation,
+        kl_estimator=cfg.kl_estimator if in_loss else "k3", kl_to_ref_coeff=cfg.kl_coef if in_loss else None,
+        normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
+        ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
+        importance_correction=None if cfg.importance_correction == "none" else cfg.importance_correction,
+    )
 
 
 def build_run(cfg: TrainConfig) -> Run:
     cfg.validate()
-    run_dir = Path(cfg.out)  # created by train() once everything has loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
     check_tool_task(task, cfg.workers)
-    held_out = task.eval_set(cfg.eval_size)
     models = build_models(cfg)
     tok = models.tokenizer
     check_prompt_format(cfg.prompt_format, tok, cfg.model)
-    scorer = build_scorer(cfg, task, models.device)
     generator = torch.Generator(device=models.device).manual_seed(cfg.seed)  # multinomial needs its device's RNG
     sampler = TransformersWrapper(
         models.policy, tok, input_mode="history" if cfg.prompt_format == "chat" else "text",
         generate=True, temperature=cfg.temperature,
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
     )
-    actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
-    ref_scorer = reference_scorer(models, cfg)
-    clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
-    loss = GRPOLoss(
-        actor, clip_epsilon=clip, entropy_bonus=True, entropy_coeff=cfg.entropy_coeff,
-        aggregation=cfg.aggregation, kl_estimator=cfg.kl_estimator if cfg.kl_mode == "loss" else "k3",
-        kl_to_ref_coeff=cfg.kl_coef if cfg.kl_mode == "loss" else None,
-        normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
-        ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
-        importance_correction=None if cfg.importance_correction == "none" else cfg.importance_correction,
-    )
-    coef = loss if cfg.kl_mode == "loss" else SimpleNamespace(kl_coef=cfg.kl_coef)
-    if cfg.kl_controller == "adaptive":
-        controller = make_kl_controller("adaptive", init_kl_coef=cfg.kl_coef, target=cfg.kl_target,
-                                        horizon=cfg.kl_horizon, model=coef)
-    elif cfg.kl_controller == "target":
-        controller = make_kl_controller("target", init_kl_coef=cfg.kl_coef, target=cfg.kl_target, model=coef)
-    else:
-        controller = make_kl_controller("constant", kl_coef=cfg.kl_coef, model=coef)
-    trainable = [p for p in models.policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    loss = _loss(cfg, TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False,
+                                          temperature=cfg.temperature))
+    leash = loss if cfg.kl_mode == "loss" else KLPenalty(cfg.kl_coef)
+    optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],
+                                  lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     ref_updater = None
     if models.movable_reference is not None:
-        alpha = cfg.reference_alpha if cfg.reference_update == "ema" else None
         ref_updater = ReferenceUpdater(models.policy, models.movable_reference, mode=cfg.reference_update,
-                                       every=cfg.reference_every, alpha=alpha)
-    workers = None
-    if cfg.workers > 0:
-        from tether.train.distributed import start_workers  # Ray is optional: imported only when asked for
-
-        workers = start_workers(cfg)
-    scheduler = make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
-                                  total_steps=cfg.steps)
-    return Run(cfg, run_dir, task, held_out, {p.key for p in held_out}, models, sampler, ref_scorer,
-               loss, optimizer, controller, coef, ref_updater, generator, MetricsLog(run_dir / "metrics.jsonl"),
-               workers=workers, scheduler=scheduler, best=BestEval(), tracker=NullTracker(run_dir), scorer=scorer)
+                                       every=cfg.reference_every,
+                                       alpha=cfg.reference_alpha if cfg.reference_update == "ema" else None)
+    run_dir = Path(cfg.out)  # created by train() once everything has loaded
+    return Run(
+        cfg=cfg, dir=run_dir, task=task, held_out=task.eval_set(cfg.eval_size), models=models, sampler=sampler,
+        ref_scorer=reference_scorer(models, cfg), loss=loss, optimizer=optimizer,
+        scheduler=make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                    total_steps=cfg.steps),
+        controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,
+        scorer=build_scorer(cfg, task, models.device), metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        tracker=NullTracker(run_dir),
+    )

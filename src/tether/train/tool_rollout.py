@@ -53,7 +53,7 @@ def tool_metrics(batch) -> dict[str, float]:
     of a multi-turn batch; nothing for a single-turn one."""
     if ("episode", "turns") not in batch.keys(include_nested=True):
         return {}
-    return episode_metrics(batch)
+    return episode_metrics(batch["episode"])
 
 
 def episode_stats(batch):

@@ -90,12 +90,11 @@ def completions_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def log_completions(run: Any, done: int, prompts: list[str], batch: Any, rewards: Any, correct: Any) -> None:
-    """Every ``log_completions_every`` steps: the first ``COMPLETION_ROWS`` samples of the step's
-    batch (``[B]`` rewards and correctness) to ``completions.jsonl`` and the run's tracker."""
+def log_completions(run: Any, done: int, prompts: list[str], answers: list[str], rewards: Any, correct: Any) -> None:
+    """Every ``log_completions_every`` steps: the first ``COMPLETION_ROWS`` samples of the step
+    (prompts, answers, ``[B]`` rewards and correctness) to ``completions.jsonl`` and the run's tracker."""
     if not due(run.cfg.log_completions_every, done):
         return
-    answers = batch.get(("text", "response")).tolist()
     flags = [None] * len(answers) if correct is None else correct.tolist()  # dataset runs define no correctness
     rows = [{"step": done, "prompt": prompt, "completion": answer, "reward": reward, "correct": ok}
             for prompt, answer, reward, ok in zip(prompts, answers, rewards.tolist(), flags)]

@@ -35,11 +35,14 @@ def minibatch_bounds(size: int, n: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def store_old_log_probs(loss: Any, batch: Any, micro_batch_size: int) -> None:
-    """Write the current policy's log-probs of ``batch`` under the loss's ``old_log_probs`` key."""
-    tokens, attn = batch["tokens", "full"], batch["masks", "all_attention_mask"]
-    parts = []
-    for begin in range(0, tokens.shape[0], micro_batch_size):
-        end = begin + micro_batch_size
-        parts.append(loss.actor_network.score(tokens[begin:end], attn[begin:end], with_entropy=False).log_probs)
-    batch.set(loss.tensor_keys.old_log_probs, torch.cat(parts).to(tokens.device))
+def row_slices(size: int, micro_batch_size: int) -> list[tuple[int, int]]:
+    """``(begin, end)`` of consecutive micro-batches of ``micro_batch_size`` rows (the last may be shorter)."""
+    return [(begin, min(begin + micro_batch_size, size)) for begin in range(0, size, micro_batch_size)]
+
+
+@torch.no_grad()
+def store_old_log_probs(actor: Any, record: Any, micro_batch_size: int) -> torch.Tensor:
+    """``[B, T]`` the current policy's log-probs of a ``StepRecord``'s answer tokens."""
+    parts = [actor.score(part.tokens, part.attention_mask, where=part.assistant_mask).log_probs
+             for part in (record.rows(b, e) for b, e in row_slices(len(record), micro_batch_size))]
+    return torch.cat(parts).to(record.tokens.device)
