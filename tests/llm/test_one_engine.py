@@ -138,3 +138,29 @@ def test_history_mode_decoder_sees_only_real_tokens(models, inputs):
     lengths = [len(r) for r in ids]
     assert seen and sum(seen) == sum(lengths) < len(lengths) * max(lengths)
     assert sorted(seen, reverse=True) == sorted(lengths, reverse=True)
+
+
+@pytest.mark.parametrize("assistant_only", [True, False])
+def test_assistant_only_runs_the_head_at_assistant_tokens_only(models, assistant_only):
+    """Through RetrieveKL on chats (policy scores the chats, reference the tokens it wrote), the
+    output head sees exactly the assistant tokens of each row (minus a row's first token) per
+    model when assistant_only, and every valid position but the first otherwise."""
+    from unittest import mock
+
+    from tether.models import score_sink
+
+    tok, policy, reference = models
+    ids, asst, _ = engine_rows(tok, policy)
+    seen: list[int] = []
+    real = score_sink.token_stats_from_hidden
+
+    def counting(hidden, *args, **kwargs):
+        seen.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+        return real(hidden, *args, **kwargs)
+
+    module = RetrieveKL(wrapper(tok, policy), wrapper(tok, reference, log_probs_key="ref_log_probs"),
+                        assistant_only=assistant_only, add_to_reward=False)
+    with mock.patch.object(score_sink, "token_stats_from_hidden", counting):
+        module(chat_batch(MULTI_TURN))
+    per_model = sum(int(m[1:].sum()) for m in asst) if assistant_only else sum(len(r) - 1 for r in ids)
+    assert sum(seen) == 2 * per_model
