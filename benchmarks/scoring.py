@@ -273,7 +273,7 @@ def run_table(n_chats: int, args, with_torchrl: bool, variants: list[str]) -> st
     rounds = Rounds()
     for _ in range(args.rounds):
         theirs, ours = {}, {}
-        for job in ("kl", "ref"):
+        for job in sorted({ENTRY_POINTS[v].baseline for v in variants}):
             if with_torchrl:
                 theirs[job] = measure("setup_torchrl", job)
             for variant in (v for v in variants if ENTRY_POINTS[v].baseline == job):
