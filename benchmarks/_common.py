@@ -52,12 +52,14 @@ def measure_in_subprocess(
     repeats: int = 3,
     warmup: int = 1,
     timeout_s: float | None = None,
+    python: str | None = None,
 ) -> Measurement:
     """Run ``setup_name(**kwargs)`` from the file ``module_path`` in a new interpreter.
 
     The returned callable is called ``warmup`` times untimed, then ``repeats`` times timed.
-    ``kwargs`` must be JSON-serialisable. Raises ``RuntimeError`` with the child's stderr
-    when the child fails.
+    ``kwargs`` must be JSON-serialisable. ``python`` is the interpreter (default: this one;
+    another virtual environment where a variant needs packages this one lacks). Raises
+    ``RuntimeError`` with the child's stderr when the child fails.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -69,7 +71,7 @@ def measure_in_subprocess(
         "warmup": warmup,
     }
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), json.dumps(spec)],
+        [python or sys.executable, os.path.abspath(__file__), json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -142,6 +144,7 @@ def _peak_rss(reset_ok: bool) -> tuple[int, str]:
 def _child(spec: dict) -> None:
     module_spec = importlib.util.spec_from_file_location("_bench_target", spec["module_path"])
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses look their module up there
     module_spec.loader.exec_module(module)
     fn = getattr(module, spec["setup_name"])(**spec["kwargs"])
     for _ in range(spec["warmup"]):

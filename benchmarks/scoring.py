@@ -1,33 +1,37 @@
-"""Scoring a batch of chats for the KL leash: tether against TorchRL on the embedded model.
+"""Every public scoring entry point of tether against TorchRL, on real chats and the embedded model.
 
 Workload: 16 chats (seeded: random user/assistant text, one to three assistant turns, each
 chat 95-240 tokens when rendered, all opening with a system message so that TorchRL's
 substituted ChatML template and the shipped one give the same tokens), scored by
-SmolLM2-135M-Instruct (float32, CPU). Variants, each in a fresh process (median after a
-warm-up, peak resident-set growth over the state after setup):
+SmolLM2-135M-Instruct (float32, CPU). Each row times one entry point, with its input either
+chats only (``chat_batch``: rendered and tokenised inside the call) or tokens already in the
+batch (as a sampler leaves it: tokens, masks, sampling log-probs), against the TorchRL class
+doing the same job on the same chats:
 
-- ``kl``: policy + reference log-probs and their KL (``RetrieveKL`` with two scoring
-  wrappers, the reference a ``frozen_copy``);
-- ``ref``: reference log-probs only (``RetrieveLogProb``);
-- ``reuse``: tether's ``RetrieveKL(gen_model=None)``: the sampling log-probs are already in
-  the batch (computed once in setup, outside the timed region), only the reference runs.
+- policy + reference (``RetrieveKL`` with two scoring wrappers, the reference a
+  ``frozen_copy``) against TorchRL's ``RetrieveKL``;
+- reference only (``RetrieveLogProb``; ``RetrieveKL(gen_model=None)`` and
+  ``KLRewardTransform``, which read the policy's log-probs from the batch; the Ray
+  ``ReferenceService``'s actor body, in process: packing, one ``score`` call, unpacking,
+  Ray's transport not included) against TorchRL's ``RetrieveLogProb``.
 
-TorchRL runs (when ``torchrl`` imports) under ``torch.no_grad()`` with its own
-``TransformersWrapper`` (history input, ``pad_output=True``), ``RetrieveKL`` and
-``RetrieveLogProb``; it has no reuse mode, so ``reuse`` is compared with its ``kl`` time.
-Both sides skip the reward (``add_to_reward=False``; TorchRL's ``KLComputation`` wants a
-per-token reward of the padded width). Each timed call starts from a fresh batch of chats,
-so every call renders and tokenises.
+TorchRL runs under ``torch.no_grad()`` with its own ``TransformersWrapper`` (history input,
+``pad_output=True``); it re-renders the chats whatever the batch holds, so its two jobs are
+timed once per round from chats. Both sides skip the reward where they can
+(``add_to_reward=False``); ``KLRewardTransform`` charges a ``[B, 1]`` reward.
 
-Each process uses one torch thread by default (``--threads``): on a CPU shared with other
-jobs, two OpenMP threads wait on each other at every barrier and the same call then varies
-by 10x; one thread keeps repeat-to-repeat spread to a few percent. ``--token-budget N``
-adds rows for tether with ``TransformersWrapper(token_budget=N)`` (rows per scoring pass
-sized to N tokens: less padding in mixed-length batches).
+Every measurement is a fresh process (median of ``--repeats`` calls after a warm-up; peak
+resident-set growth over the state after the warm-up). A round measures TorchRL's job, then
+each tether entry point doing that job, alternating; the ratios of a round use that round's
+TorchRL figure, and the table shows the median over ``--rounds`` rounds of wall-clock and
+process-CPU time ratios (CPU time is disturbed far less by other jobs on a shared machine).
+The service row needs Ray, which the bench environment may lack: ``--ray-python`` names an
+interpreter that has it (default: this one when it imports ``ray``, else the row is skipped).
 
-    .venv-bench/bin/python benchmarks/scoring.py          # both libraries (~11 min; ~16 with --token-budget)
-    .venv-bench/bin/python benchmarks/scoring.py --quick  # 4 chats, one timed run
-    .venv/bin/python benchmarks/scoring.py                # tether only (no torchrl there)
+    .venv-bench/bin/python benchmarks/scoring.py            # both libraries, 2 threads, 2 rounds
+    .venv-bench/bin/python benchmarks/scoring.py --quick    # 4 chats, one round, one timed call
+    .venv-bench/bin/python benchmarks/scoring.py --ray-python .venv/bin/python
+    .venv/bin/python benchmarks/scoring.py --no-torchrl     # tether only (no torchrl there)
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import argparse
 import importlib.util
 import os
 import random
+import statistics
 import sys
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,11 +51,27 @@ from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
 FULL_CHATS, QUICK_CHATS = 16, 4
 MIN_TOKENS, MAX_TOKENS = 95, 240
 SEED = 0
-# (variant, TorchRL baseline variant, time target, memory target or None)
-TARGETS = {
-    "kl": ("kl", 0.55, 0.45),
-    "ref": ("ref", 0.55, 0.40),
-    "reuse": ("kl", 0.35, None),
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """One tether entry point timed against one TorchRL job, with the issue's targets."""
+
+    label: str
+    inputs: str  # "chats" or "tokens"
+    baseline: str  # TorchRL job: "kl" (policy + reference) or "ref" (reference only)
+    time_target: float
+    memory_target: float
+
+
+KL_TARGETS, REF_TARGETS = (0.55, 0.45), (0.55, 0.40)
+ENTRY_POINTS = {
+    "kl-chats": EntryPoint("RetrieveKL", "chats", "kl", *KL_TARGETS),
+    "kl-tokens": EntryPoint("RetrieveKL", "tokens", "kl", *KL_TARGETS),
+    "ref-chats": EntryPoint("RetrieveLogProb", "chats", "ref", *REF_TARGETS),
+    "ref-tokens": EntryPoint("RetrieveLogProb", "tokens", "ref", *REF_TARGETS),
+    "reuse": EntryPoint("RetrieveKL(gen_model=None)", "tokens", "ref", *REF_TARGETS),
+    "kl-reward": EntryPoint("KLRewardTransform", "tokens", "ref", *REF_TARGETS),
+    "service": EntryPoint("ReferenceService (actor body)", "tokens", "ref", *REF_TARGETS),
 }
 WORDS = (
     "the a model answer question number river light stone garden quickly slowly seven "
@@ -97,11 +119,31 @@ def _models():
 
 
 # ------------------------------------------------------------------ tether variants
+def _sampled_batch(policy, chats):
+    """The chats as a sampler leaves them: tokens, masks and the policy's log-probs."""
+    from tether.llm import RetrieveLogProb, chat_batch
+
+    keep = [("history", "full"), ("tokens", "full"), ("masks", "all_attention_mask"),
+            ("masks", "all_assistant_mask"), ("log_probs", "full")]
+    return RetrieveLogProb(policy)(chat_batch(chats)).select(*keep)
+
+
+def _service_call(reference, batch):
+    """One request through the ``ReferenceService`` actor body (needs Ray importable)."""
+    from tether.ray.reference_client import ScoreRequest
+    from tether.ray.reference_server import BatchLimits, ReferenceServer
+
+    server = ReferenceServer(reference, None, BatchLimits(), None, 0)
+    tokens, mask = batch["tokens", "full"], batch["masks", "all_attention_mask"]
+    count = iter(range(10**9))
+    return lambda: server._forward([ScoreRequest(f"r{next(count)}", tokens, mask)])
+
+
 def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | None = None):
-    """Build models and workload; return the callable timed for ``variant``."""
+    """Build models and workload; return the callable timed for entry point ``variant``."""
     import torch
 
-    from tether.llm import RetrieveKL, RetrieveLogProb, chat_batch
+    from tether.llm import KLRewardTransform, RetrieveKL, RetrieveLogProb, chat_batch
     from tether.models import TransformersWrapper
 
     torch.set_num_threads(threads)
@@ -110,17 +152,23 @@ def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | N
     tuned = {} if token_budget is None else {"token_budget": token_budget}
     policy = TransformersWrapper(policy_model, tok, generate=False, **tuned)
     reference = TransformersWrapper(reference_model, tok, generate=False, log_probs_key="ref_log_probs", **tuned)
-    if variant == "kl":
+    entry = ENTRY_POINTS[variant]
+    sampled = _sampled_batch(policy, chats) if entry.inputs == "tokens" else None
+    if variant == "service":
+        return _service_call(reference, sampled)
+    if variant == "kl-reward":
+        module = KLRewardTransform(reference, log_prob_key=("log_probs", "full"))
+        sampled.set("reward", torch.ones(n_chats, 1))
+    elif variant == "reuse":
+        module = RetrieveKL(None, reference, add_to_reward=False)
+    elif variant.startswith("kl"):
         module = RetrieveKL(policy, reference, add_to_reward=False)
-        return lambda: module(chat_batch(chats))
-    if variant == "ref":
+    else:
         module = RetrieveLogProb(reference)
+    if sampled is None:
         return lambda: module(chat_batch(chats))
-    # reuse: a batch as a sampler leaves it (tokens, masks, sampling log-probs), built once.
-    keep = [("history", "full"), ("tokens", "full"), ("masks", "all_attention_mask"),
-            ("masks", "all_assistant_mask"), ("log_probs", "full")]
-    sampled = RetrieveLogProb(policy)(chat_batch(chats)).select(*keep)
-    module = RetrieveKL(None, reference, add_to_reward=False)
+    if variant in ("kl-tokens", "ref-tokens"):
+        sampled = sampled.exclude(("log_probs", "full"))
     return lambda: module(sampled.copy())
 
 
@@ -172,66 +220,107 @@ def _verdict(ratio: float, target: float) -> str:
     return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
 
 
-def _tether_rows(label: str, ours: dict, theirs: dict) -> list[list[str]]:
+@dataclass
+class Rounds:
+    """Every measurement of one run: per round, TorchRL's jobs and tether's entry points."""
+
+    theirs: list[dict] = field(default_factory=list)
+    ours: list[dict] = field(default_factory=list)
+
+
+def _median_ratio(rounds: Rounds, variant: str, attribute: str) -> float:
+    base = ENTRY_POINTS[variant].baseline
+    return statistics.median(getattr(o[variant], attribute) / max(getattr(t[base], attribute), 1e-9)
+                             for o, t in zip(rounds.ours, rounds.theirs))
+
+
+def _median(measurements: list[dict], name: str, attribute: str) -> float:
+    return statistics.median(getattr(m[name], attribute) for m in measurements)
+
+
+def _absolute(measurements: list[dict], name: str) -> list[str]:
+    """Median wall time, CPU time and peak memory growth of ``name`` over the rounds."""
+    wall, cpu = _median(measurements, name, "median_s"), _median(measurements, name, "cpu_median_s")
+    return [f"{wall:.2f}", f"{cpu:.2f}", mib(_median(measurements, name, "peak_rss_growth_bytes"))]
+
+
+def _rows(rounds: Rounds, variants: list[str]) -> list[list[str]]:
     rows = []
-    for variant, (base_name, time_target, mem_target) in TARGETS.items():
-        m = ours[variant]
-        row = [variant, label, f"{m.median_s:.3f}", mib(m.peak_rss_growth_bytes)]
-        base = theirs.get(base_name)
-        if base is None:
-            rows.append(row + ["", "", "", ""])
+    for variant in variants:
+        entry = ENTRY_POINTS[variant]
+        row = [entry.label, entry.inputs, *_absolute(rounds.ours, variant)]
+        if not rounds.theirs:
+            rows.append(row + [""] * 6)
             continue
-        t_ratio = m.median_s / base.median_s
-        m_ratio = m.peak_rss_growth_bytes / max(base.peak_rss_growth_bytes, 1)
-        mem_cells = [f"{m_ratio:.3f}x", _verdict(m_ratio, mem_target)] if mem_target else ["", ""]
-        rows.append(row + [f"{t_ratio:.2f}x (vs TorchRL {base_name})", _verdict(t_ratio, time_target), *mem_cells])
+        t_ratio = _median_ratio(rounds, variant, "median_s")
+        m_ratio = _median_ratio(rounds, variant, "peak_rss_growth_bytes")
+        rows.append(row + [f"{t_ratio:.2f}x", f"{_median_ratio(rounds, variant, 'cpu_median_s'):.2f}x",
+                           _verdict(t_ratio, entry.time_target), f"{m_ratio:.3f}x",
+                           _verdict(m_ratio, entry.memory_target), f"TorchRL {entry.baseline}"])
+    for job in sorted({t for r in rounds.theirs for t in r}):
+        rows.append([f"TorchRL {job}", "chats", *_absolute(rounds.theirs, job), "1.00x", "1.00x", "", "1.000x", "", ""])
     return rows
 
 
-def run_table(n_chats: int, repeats: int, warmup: int, threads: int, with_torchrl: bool,
-              token_budget: int | None) -> str:
-    def measure(setup: str, variant: str, **extra):
-        kwargs = {"variant": variant, "n_chats": n_chats, "threads": threads, **extra}
-        return measure_in_subprocess(__file__, setup, kwargs, repeats=repeats, warmup=warmup)
+def run_table(n_chats: int, args, with_torchrl: bool, variants: list[str]) -> str:
+    def measure(setup: str, variant: str, python: str | None = None):
+        kwargs = {"variant": variant, "n_chats": n_chats, "threads": args.threads}
+        if setup == "setup_tether" and args.token_budget is not None:
+            kwargs["token_budget"] = args.token_budget
+        return measure_in_subprocess(__file__, setup, kwargs, repeats=args.repeats, warmup=args.warmup,
+                                     python=python)
 
-    theirs = {v: measure("setup_torchrl", v) for v in ("kl", "ref")} if with_torchrl else {}
-    ours = {v: measure("setup_tether", v) for v in TARGETS}
-    rows = _tether_rows("tether (defaults)", ours, theirs)
-    measured = [*theirs.values(), *ours.values()]
-    if token_budget is not None:
-        tuned = {v: measure("setup_tether", v, token_budget=token_budget) for v in TARGETS}
-        rows += _tether_rows(f"tether (token_budget={token_budget})", tuned, theirs)
-        measured += tuned.values()
-    for variant, m in theirs.items():
-        rows.append([variant, "TorchRL", f"{m.median_s:.3f}", mib(m.peak_rss_growth_bytes), "1.00x", "", "1.000x", ""])
-    headers = ["variant", "library", "median time (s)", "peak RSS growth (MiB)", "time ratio",
-               "time target", "memory ratio", "memory target"]
-    sources = sorted({m.peak_source for m in measured})
-    return markdown_table(headers, rows) + f"\n\npeak memory read from: {', '.join(map(str, sources))}"
+    rounds = Rounds()
+    for _ in range(args.rounds):
+        theirs, ours = {}, {}
+        for job in sorted({ENTRY_POINTS[v].baseline for v in variants}):
+            if with_torchrl:
+                theirs[job] = measure("setup_torchrl", job)
+            for variant in (v for v in variants if ENTRY_POINTS[v].baseline == job):
+                ours[variant] = measure("setup_tether", variant, args.ray_python if variant == "service" else None)
+        rounds.ours.append(ours)
+        if with_torchrl:
+            rounds.theirs.append(theirs)
+    headers = ["entry point", "input", "wall (s)", "CPU (s)", "peak RSS growth (MiB)", "time ratio (wall)",
+               "time ratio (CPU)", "time target", "memory ratio", "memory target", "against"]
+    sources = sorted({m.peak_source for r in rounds.ours + rounds.theirs for m in r.values()})
+    return markdown_table(headers, _rows(rounds, variants)) + f"\n\npeak memory read from: {', '.join(sources)}"
+
+
+def _ray_python(requested: str | None) -> str | None:
+    if requested is not None:
+        return requested
+    return sys.executable if importlib.util.find_spec("ray") is not None else None
 
 
 def main(argv=None) -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 chats, one timed run")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument("--token-budget", type=int, default=None,
-                        help="also time tether with TransformersWrapper(token_budget=N)")
-    parser.add_argument("--no-torchrl", action="store_true", help="tether variants only")
+    parser.add_argument("--quick", action="store_true", help="4 chats, one round, one timed call")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per process")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per process")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of TorchRL/tether alternation")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument("--token-budget", type=int, default=None, help="TransformersWrapper(token_budget=N) for tether")
+    parser.add_argument("--only", nargs="+", choices=sorted(ENTRY_POINTS), default=None, help="entry points to time")
+    parser.add_argument("--ray-python", default=None, help="interpreter with Ray for the service row")
+    parser.add_argument("--no-torchrl", action="store_true", help="tether entry points only")
     args = parser.parse_args(argv)
     n_chats = QUICK_CHATS if args.quick else FULL_CHATS
-    repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.ray_python = _ray_python(args.ray_python)
+    variants = [v for v in (args.only or ENTRY_POINTS) if v != "service" or args.ray_python is not None]
     with_torchrl = not args.no_torchrl and _torchrl_available()
     print(
         f"scoring {n_chats} chats ({MIN_TOKENS}-{MAX_TOKENS} tokens, seed {SEED}) with "
-        f"SmolLM2-135M-Instruct float32, torch {torch.__version__}, {args.threads} "
-        f"thread(s), median of {repeats} after {args.warmup} warm-up, "
-        f"{'with' if with_torchrl else 'without'} TorchRL\n"
+        f"SmolLM2-135M-Instruct float32, torch {torch.__version__}, {args.threads} thread(s), "
+        f"median of {args.repeats} calls after {args.warmup} warm-up per process, {args.rounds} round(s), "
+        f"{'with' if with_torchrl else 'without'} TorchRL"
+        + ("" if args.ray_python else "; no Ray here: service row skipped (--ray-python)") + "\n"
     )
-    print(run_table(n_chats, repeats, args.warmup, args.threads, with_torchrl, args.token_budget))
+    print(run_table(n_chats, args, with_torchrl, variants))
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ class RetrieveLogProb(TensorDictModuleBase):
                     "and their masks with the same pad_output and padding side."
                 )
             assistant = assistant & mask
-        log_probs = self.model.score(ids.long(), mask).log_probs
+        log_probs = self._log_probs(ids.long(), mask, assistant)
         return ScoredBatch(ids, mask, assistant, log_probs, nested=nested, from_batch=True)
 
     def _score_chats(self, td: TensorDictBase) -> ScoredBatch:
@@ -202,8 +202,13 @@ class RetrieveLogProb(TensorDictModuleBase):
         ids = _pad_rows(enc.input_ids, "right", self.model.pad_id)
         mask = _pad_rows([torch.ones_like(r, dtype=torch.bool) for r in enc.input_ids], "right", False)
         assistant = _pad_rows(enc.assistant_mask, "right", False)
-        log_probs = self.model.score(ids, mask).log_probs
+        log_probs = self._log_probs(ids, mask, assistant)
         return ScoredBatch(ids, mask, assistant, log_probs, nested=False, from_batch=False)
+
+    def _log_probs(self, ids: Tensor, mask: Tensor, assistant: Tensor | None) -> Tensor:
+        # Assistant-only values are zeroed elsewhere anyway: run the output head only where they are kept.
+        where = assistant if self.assistant_only and assistant is not None else None
+        return self.model.score(ids, mask, where=where).log_probs
 
     def _score_with_wrapper(self, td: TensorDictBase) -> ScoredBatch:
         wanted = [(self.model.input_mode, "full"), (self.model.input_mode, "prompt")]

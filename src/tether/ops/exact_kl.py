@@ -243,6 +243,38 @@ def exact_kl(
     return kl.reshape(lead)
 
 
+def _check_hidden_pair(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    lm_head_bias: Tensor | None,
+    ref_hidden: Tensor,
+    ref_lm_head_weight: Tensor,
+    ref_lm_head_bias: Tensor | None,
+) -> None:
+    """Each side a well-formed head, and the two sides scoring the same tokens and vocabulary."""
+    check_head(hidden, lm_head_weight, lm_head_bias, "hidden", "lm_head_weight", "lm_head_bias")
+    check_head(
+        ref_hidden,
+        ref_lm_head_weight,
+        ref_lm_head_bias,
+        "ref_hidden",
+        "ref_lm_head_weight",
+        "ref_lm_head_bias",
+    )
+    if ref_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"ref_hidden must have the leading shape of hidden {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(ref_hidden.shape[:-1])}; run both models on the same tokens"
+        )
+    if ref_lm_head_weight.shape[0] != lm_head_weight.shape[0]:
+        raise ValueError(
+            f"ref_lm_head_weight must have the vocabulary size of lm_head_weight "
+            f"({lm_head_weight.shape[0]}), got {ref_lm_head_weight.shape[0]}; the two models "
+            "must share a tokenizer"
+        )
+    check_same_device("ref_hidden", ref_hidden, "hidden", hidden)
+
+
 def exact_kl_from_hidden(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -275,27 +307,7 @@ def exact_kl_from_hidden(
     """
     temperature = check_temperature(temperature)
     chunk_size = check_chunk_size(chunk_size, allow_none=False)
-    check_head(hidden, lm_head_weight, lm_head_bias, "hidden", "lm_head_weight", "lm_head_bias")
-    check_head(
-        ref_hidden,
-        ref_lm_head_weight,
-        ref_lm_head_bias,
-        "ref_hidden",
-        "ref_lm_head_weight",
-        "ref_lm_head_bias",
-    )
-    if ref_hidden.shape[:-1] != hidden.shape[:-1]:
-        raise ValueError(
-            f"ref_hidden must have the leading shape of hidden {tuple(hidden.shape[:-1])}, "
-            f"got {tuple(ref_hidden.shape[:-1])}; run both models on the same tokens"
-        )
-    if ref_lm_head_weight.shape[0] != lm_head_weight.shape[0]:
-        raise ValueError(
-            f"ref_lm_head_weight must have the vocabulary size of lm_head_weight "
-            f"({lm_head_weight.shape[0]}), got {ref_lm_head_weight.shape[0]}; the two models "
-            "must share a tokenizer"
-        )
-    check_same_device("ref_hidden", ref_hidden, "hidden", hidden)
+    _check_hidden_pair(hidden, lm_head_weight, lm_head_bias, ref_hidden, ref_lm_head_weight, ref_lm_head_bias)
     lead = hidden.shape[:-1]
     kl = _HiddenKL.apply(
         hidden.reshape(-1, hidden.shape[-1]),

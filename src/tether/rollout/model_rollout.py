@@ -44,7 +44,7 @@ from tether.models.scoring import score_tokens
 from tether.rollout._checks import check_generated, per_step, positive_int, real
 from tether.rollout.prompts import PromptBatch
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
-from tether.rollout.steps import StepViews, episode_ends, stepwise_views
+from tether.rollout.steps import EpisodeEnds, StepViews, episode_ends, stepwise_views
 
 __all__ = ["Generation", "RolloutFromModel"]
 
@@ -249,28 +249,15 @@ class RolloutFromModel:
         positions = torch.arange(generated.shape[-1], device=generated.device)
         sequence_mask = positions < (rindex + ends.num_tokens)[:, None]
         sequence = generated.masked_fill(~sequence_mask, self.pad_token_id)
-        done, terminated, truncated = ends.done_flags()
         kl = log_ratio.float().masked_fill(~ends.step_mask, 0.0)
-        reward_raw = torch.where(done, self._clipped_score(batch, sequence, sequence_mask)[:, None, None], 0.0)
-        reward_kl = -self.kl_coef * kl[..., None]
-        visible = torch.minimum(steps, ends.num_tokens[:, None])
-        visible_next = torch.minimum(steps + 1, ends.num_tokens[:, None])
         td = TensorDict(
             {
                 "action": action,
                 "sample_log_prob": log_probs.float().masked_fill(~ends.step_mask, 0.0)[..., None],
                 "step_mask": ends.step_mask,
                 "sequence": sequence[:, None, :].expand(size, num_new, sequence.shape[-1]),
-                "length": rindex[:, None] + visible,
-                "next": {
-                    "length": rindex[:, None] + visible_next,
-                    "done": done,
-                    "terminated": terminated,
-                    "truncated": truncated,
-                    "reward": reward_raw + reward_kl,
-                    "reward_raw": reward_raw,
-                    "reward_kl": reward_kl,
-                },
+                "length": rindex[:, None] + torch.minimum(steps, ends.num_tokens[:, None]),
+                "next": self._next_entries(batch, sequence, sequence_mask, ends, kl),
             },
             batch_size=[size, num_new],
             device=generated.device,
@@ -279,6 +266,27 @@ class RolloutFromModel:
             self._write_steps(td)
         self._kl_queue.append(kl.sum(-1).detach().to("cpu", torch.float64))
         return td.refine_names(..., "time")
+
+    def _next_entries(self, batch: PromptBatch, sequence: Tensor, sequence_mask: Tensor, ends: EpisodeEnds,
+                      kl: Tensor) -> dict[str, Tensor]:
+        """The ``("next", ...)`` entries of each step: visible length, done flags and rewards.
+
+        ``kl`` is the ``[B, N]`` per-step log-ratio, 0 after the end; the clipped score is paid
+        at the done step only.
+        """
+        steps = torch.arange(kl.shape[-1], device=kl.device)
+        done, terminated, truncated = ends.done_flags()
+        reward_raw = torch.where(done, self._clipped_score(batch, sequence, sequence_mask)[:, None, None], 0.0)
+        reward_kl = -self.kl_coef * kl[..., None]
+        return {
+            "length": batch.prompt_rindex[:, None] + torch.minimum(steps + 1, ends.num_tokens[:, None]),
+            "done": done,
+            "terminated": terminated,
+            "truncated": truncated,
+            "reward": reward_raw + reward_kl,
+            "reward_raw": reward_raw,
+            "reward_kl": reward_kl,
+        }
 
     def stepwise_views(self, td: TensorDict) -> StepViews:
         """The seed's per-step ``input_ids`` / ``attention_mask`` (and ``next`` ones) of ``td``."""
