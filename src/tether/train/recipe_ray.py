@@ -27,7 +27,7 @@ def ray_rollout(pool: Any) -> recipe.Rollout:
 
     def rollout(run: Run, problems: list[Problem], step: int) -> StepRecord:
         td = pool.rollout(run.models.policy, [p.chat for p in problems], step, reference_updater=run.ref_updater)
-        return StepRecord.from_tensordict(td, group_ids=recipe.group_ids(run.cfg))
+        return StepRecord.from_tensordict(td, group_ids=recipe.group_ids(len(problems), run.cfg.group_size))
 
     return rollout
 
