@@ -206,21 +206,22 @@ def setup_tether(work: dict, info_path: str):
     if not work["natural_lengths"]:
         run.sampler.eos_ids = {-1}  # no token id matches: every answer runs to max_new_tokens
     clock = PhaseClock()
-    # train_step looks these up in the module at call time, so wrapping them times each phase.
-    recipe.rollout = clock.wrap("sampling", recipe.rollout)
-    recipe.score_batch = clock.wrap("rewards", recipe.score_batch)
-    recipe.add_advantages = clock.wrap("reference", recipe.add_advantages)
+    # train_step looks the stages up in the module at call time (the rollout is its argument),
+    # so wrapping them times each phase.
+    sample = clock.wrap("sampling", recipe.sample)
+    recipe.score_rewards = clock.wrap("rewards", recipe.score_rewards)
+    recipe.add_reference = clock.wrap("reference", recipe.add_reference)
     recipe.accumulate_gradients = clock.wrap("loss", recipe.accumulate_gradients)
     counter = itertools.count()
 
     def step() -> None:
         clock.reset()
         start = time.perf_counter()
-        recipe.train_step(run, next(counter))
+        recipe.train_step(run, next(counter), sample)
         if run.models.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-        batch = clock.last["sampling"][0]
+        record = clock.last["sampling"]
         seconds = clock.seconds
         phases = {
             "sampling": seconds["sampling"],
@@ -228,9 +229,9 @@ def setup_tether(work: dict, info_path: str):
             "loss": seconds["loss"],
         }
         phases["optimizer"] = wall - sum(phases.values())
-        completion = batch["masks", "all_assistant_mask"].sum(-1).float()
+        completion = record.assistant_mask.sum(-1).float()
         _append(info_path, {
-            "tokens": int(batch["masks", "all_attention_mask"].sum()),
+            "tokens": int(record.attention_mask.sum()),
             "mean_completion": float(completion.mean()),
             "phases": phases,
             "threads": torch.get_num_threads(),
