@@ -23,7 +23,9 @@ done, so a process whose rows ended early keeps taking part in each step's draw.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import functools
+
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from numbers import Real
 from typing import Protocol
@@ -232,20 +234,29 @@ def sample_responses(
     check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
     prompt_mask = check_prompts(prompt_ids, prompt_mask)
     check_fits_model(model, prompt_ids, prompt_mask, new_tokens=max_new_tokens, role="prompt_ids")
-    batch = prompt_ids.shape[0]
-    device = prompt_ids.device
+    batch, device = prompt_ids.shape[0], prompt_ids.device
     limits = _check_row_limits(row_limits, batch, max_new_tokens, device)
     draw = LocalDraw() if draw is None else draw
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    mask = prompt_mask.long()
-    logits, cache, next_pos = _prefill(model, prompt_ids, mask)
+    pick = functools.partial(_draw, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
+                             generator=generator, draw=draw)
+    logits, cache, next_pos = _prefill(model, prompt_ids, prompt_mask.long())
+    return _decode(model, logits, cache, next_pos, prompt_mask.long(), limits,
+                   torch.tensor(sorted(eos_ids), device=device), pad_id, max_new_tokens, pick, draw)
+
+
+def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, mask: Tensor, limits: Tensor,
+            eos: Tensor, pad_id: int, max_new_tokens: int, pick: Callable[[Tensor], tuple[Tensor, Tensor]],
+            draw: RowDraw) -> SampleOutput:
+    """The decode loop after ``_prefill``: one token per live row per step; a row leaves the batch
+    (and the KV cache) at an eos or its limit."""
+    batch, device = limits.shape[0], limits.device
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(batch, max_new_tokens, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        token, token_log_prob = _draw(logits[:, -1], temperature, top_k, top_p, do_sample, generator, draw)
+        token, token_log_prob = pick(logits[:, -1])
         tokens[alive, step] = token
         log_probs[alive, step] = token_log_prob
         lengths[alive] = step + 1
@@ -262,17 +273,11 @@ def sample_responses(
         if not alive.numel():  # only under a shared draw: other processes' rows are still sampling
             logits = logits[:0]
             continue
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
+                       past_key_values=cache, use_cache=True).logits
         next_pos = next_pos + 1
     width = int(lengths.max()) if batch else 0
-    cols = torch.arange(width, device=device)
-    resp_mask = cols < lengths[:, None]
+    resp_mask = torch.arange(width, device=device) < lengths[:, None]
     return SampleOutput(
         tokens=tokens[:, :width].masked_fill(~resp_mask, pad_id),
         mask=resp_mask,

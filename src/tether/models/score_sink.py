@@ -114,7 +114,7 @@ class TokenSink:
         head = self.head
         stats = token_stats_from_hidden(hidden, head.weight, labels, lm_head_bias=getattr(head, "bias", None),
                                         with_entropy=self.with_entropy, **self.kwargs)
-        self.add_values(stats, flat_index)
+        self._append(stats, flat_index)
         if self.keep_hidden:
             self.kept.append(hidden.detach())
         if self.kl_to is not None:
@@ -126,7 +126,15 @@ class TokenSink:
                 ))
 
     def add_values(self, stats: TokenStats, flat_index: Tensor) -> None:
-        """Values already computed (``[n]`` each) for positions ``flat_index [n]``, all of them wanted."""
+        """Values already computed (``[n]`` each) for positions ``flat_index [n]``; those outside
+        ``where`` are dropped here (a model without a linear head has no hidden states to narrow)."""
+        chosen = self.chosen(flat_index)
+        if chosen is not None:
+            flat_index = flat_index[chosen]
+            stats = TokenStats(stats.log_probs[chosen], None if stats.entropy is None else stats.entropy[chosen])
+        self._append(stats, flat_index)
+
+    def _append(self, stats: TokenStats, flat_index: Tensor) -> None:
         self.index.append(flat_index)
         self.log_probs.append(stats.log_probs)
         if self.with_entropy:

@@ -142,16 +142,7 @@ def score_tokens(
         valid token of each row, at padding and outside ``where``. Differentiable w.r.t. the
         model's parameters when grad mode is on.
     """
-    if tokens.shape != attention_mask.shape or tokens.ndim != 2:
-        raise ValueError(
-            f"tokens/attention_mask: expected two [B, T] tensors of the same shape, got "
-            f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}."
-        )
-    if token_budget < 1:
-        raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
-    check_token_ids("tokens", tokens)
-    check_where(where, tokens)
-    check_fits_model(model, tokens, attention_mask)
+    _check_inputs(model, tokens, attention_mask, token_budget, where)
     with ExitStack() as stack:
         if isinstance(model, AdapterDisabledReference):
             # The reference shares the policy's weights: score the base model with the adapter
@@ -169,6 +160,20 @@ def score_tokens(
         if not (share_prefix and _score_shared(parts, tokens, attention_mask, token_budget, sink)):
             _score(parts, tokens, attention_mask, token_budget, sink)
         return sink.result()
+
+
+def _check_inputs(model: nn.Module, tokens: Tensor, attention_mask: Tensor, token_budget: int,
+                  where: Tensor | None) -> None:
+    if tokens.shape != attention_mask.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens/attention_mask: expected two [B, T] tensors of the same shape, got "
+            f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}."
+        )
+    if token_budget < 1:
+        raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    check_token_ids("tokens", tokens)
+    check_where(where, tokens)
+    check_fits_model(model, tokens, attention_mask)
 
 
 def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int,
@@ -200,14 +205,8 @@ def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_b
             continue
         logits = parts.model(input_ids=mb.ids, attention_mask=mb.valid.long(), use_cache=False).logits[:, :-1]
         kwargs = {"temperature": sink.kwargs["temperature"], "chunk_size": sink.kwargs.get("chunk_size")}
-        log_probs = token_logprobs(logits, labels, **kwargs)[mb.keep]
         entropy = token_entropy(logits, **kwargs)[mb.keep] if sink.with_entropy else None
-        chosen = sink.chosen(mb.flat_index)
-        if chosen is None:
-            sink.add_values(TokenStats(log_probs, entropy), mb.flat_index)
-        else:
-            sink.add_values(TokenStats(log_probs[chosen], None if entropy is None else entropy[chosen]),
-                            mb.flat_index[chosen])
+        sink.add_values(TokenStats(token_logprobs(logits, labels, **kwargs)[mb.keep], entropy), mb.flat_index)
 
 
 @torch.no_grad()

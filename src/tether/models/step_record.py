@@ -90,11 +90,15 @@ class StepRecord:
         return replace(self, **cut, responses=self.responses[begin:end], ref_hidden=hidden,
                        episode={k: v[begin:end] for k, v in self.episode.items()})
 
-    def sequence_log_ratio(self) -> Tensor:
-        """``[B]`` summed ``log pi_sampler - log pi_ref`` over each answer: the sampled (k1) KL."""
+    def token_log_ratio(self) -> Tensor:
+        """``[B, T]`` ``log pi_sampler - log pi_ref`` at the answer tokens (0 elsewhere): the k1 terms."""
         if self.ref_log_probs is None:
             raise ValueError("StepRecord.ref_log_probs is None: run the reference stage before asking for the KL.")
-        return ((self.sample_log_probs - self.ref_log_probs) * self.assistant_mask).sum(-1)
+        return (self.sample_log_probs - self.ref_log_probs) * self.assistant_mask
+
+    def sequence_log_ratio(self) -> Tensor:
+        """``[B]`` the k1 terms summed over each answer: the sampled KL per answer."""
+        return self.token_log_ratio().sum(-1)
 
     @classmethod
     def from_tensordict(cls, td: Any, group_ids: Tensor) -> StepRecord:

@@ -230,10 +230,11 @@ def grpo_batch_from_record(record: StepRecord, *, with_ref: bool, with_old: bool
     """The ``GRPOBatch`` of a ``StepRecord`` whose reference (if ``with_ref``) and advantage
     stages have run; the same checks and zeroing as ``read_grpo_batch``, with no key look-ups."""
     mask = record.assistant_mask & record.attention_mask
-    for name, value, wanted in (("advantages", record.advantages, True), ("ref_log_probs", record.ref_log_probs, with_ref)):
-        if wanted and value is None:
-            raise ValueError(f"StepRecord.{name} is None: run its stage before the loss (or build the loss "
-                             f"{'with kl_to_ref_coeff=None' if name == 'ref_log_probs' else 'after the advantage stage'}).")
+    if record.advantages is None:
+        raise ValueError("StepRecord.advantages is None: run the advantage stage before the loss.")
+    if with_ref and record.ref_log_probs is None:
+        raise ValueError("StepRecord.ref_log_probs is None: run the reference stage before the loss, or build the "
+                         "loss with kl_to_ref_coeff=None.")
 
     def clean(value: Tensor | None, name: str) -> Tensor | None:
         if value is None:
@@ -241,13 +242,14 @@ def grpo_batch_from_record(record: StepRecord, *, with_ref: bool, with_old: bool
         _check_finite(value, mask.to(value.device), f"StepRecord.{name}")
         return torch.where(mask.to(value.device), value, torch.zeros((), dtype=value.dtype, device=value.device)).detach()
 
-    advantage = record.advantages if record.advantages.dim() == 2 else record.advantages.reshape(-1, 1)
+    # [B] (one advantage per answer) goes onto the grid like [B, T], so one check covers both.
+    advantage = record.advantages[:, None].expand_as(mask) if record.advantages.dim() == 1 else record.advantages
     return GRPOBatch(
         tokens=record.tokens,
         attention_mask=record.attention_mask,
         mask=mask,
         sample_log_probs=clean(record.sample_log_probs, "sample_log_probs"),
-        advantage=clean(advantage, "advantages") if advantage.shape == mask.shape else advantage,
+        advantage=clean(advantage, "advantages"),
         ref_log_probs=clean(record.ref_log_probs, "ref_log_probs") if with_ref else None,
         old_log_probs=clean(record.old_log_probs, "old_log_probs") if with_old else None,
     )

@@ -100,7 +100,7 @@ def add_advantages(run: Run, record: StepRecord) -> None:
     mask = record.assistant_mask
     advantage = group_advantages(record.rewards, record.group_ids, mode=run.cfg.advantage)[:, None]
     if run.cfg.kl_mode == "reward":
-        penalty = -run.leash.kl_coef * (record.sample_log_probs - record.ref_log_probs) * mask
+        penalty = -run.leash.kl_coef * record.token_log_ratio()
         advantage = advantage + reward_to_go(penalty, mask)
     record.advantages = advantage.expand_as(mask) * mask
 
