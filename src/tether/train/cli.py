@@ -98,6 +98,7 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
     from tether.train.launch import launch, needs_launch, settle_nproc
+    from tether.train.sharding import leave_ranks
 
     try:
         cfg = _config(args)
@@ -108,6 +109,7 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
                                  "starts tether's own recipe); drop --nproc, or launch your copy under torchrun.")
             return launch(args.argv, cfg.nproc)  # the launching process trains nothing
         summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
+        leave_ranks()  # a sharded run: every rank ends its process group together
     except _USER_ERRORS as exc:
         return _fail("train", exc)
     if int(os.environ.get("RANK", "0")):

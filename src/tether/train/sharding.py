@@ -185,6 +185,16 @@ def join_ranks(cfg: Any) -> Ranks:
     return Ranks(size=world, rank=dist.get_rank(), device=device)
 
 
+def leave_ranks() -> None:
+    """End a finished run's process group on every rank together: a barrier, then the group is
+    destroyed while the interpreter still runs. Left to ``atexit`` alone, a rank could tear its
+    gloo threads down during interpreter shutdown and abort ("terminate called without an active
+    exception") after a run that succeeded."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
