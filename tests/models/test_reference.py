@@ -121,6 +121,22 @@ def test_adapter_disabled_context_for_other_calls():
     assert adapter_disabled(policy).config is policy.config
 
 
+def test_score_tokens_scores_an_adapter_disabled_reference_as_the_base_model():
+    """The reference is its own scorer kind (``scoring_view``): score_tokens gives exactly the
+    base model's log-probs, with no graph even under grad mode, and leaves the adapter on."""
+    from tether.models.scoring import score_tokens
+
+    base = make_tiny_model(seed=0)
+    policy = lora(make_tiny_model(seed=0)).train()
+    mask = torch.ones_like(IDS, dtype=torch.bool)
+    with torch.no_grad():
+        expected = score_tokens(base, IDS, mask).log_probs
+    got = score_tokens(adapter_disabled(policy), IDS, mask).log_probs
+    assert torch.equal(got, expected) and not got.requires_grad
+    assert all(m.training for m in policy.modules())
+    assert score_tokens(policy, IDS, mask).log_probs.requires_grad  # the adapter is back on
+
+
 def test_adapter_disabled_with_transformers_integrated_adapter():
     base = make_tiny_model(seed=0)
     policy = make_tiny_model(seed=0)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.train.test_recipe import _metrics, _weights, tiny_cfg
+from tether.control import TargetKLController
 from tether.train.config import TrainConfig
 from tether.train.kl_signal import measure_kl
 from tests.train.test_recipe import interrupted_train, prepared
@@ -16,8 +17,10 @@ from tether.train.recipe import accumulate_gradients, build_run, train
 
 # lr 1e-2 on the tiny model: at a constant beta 3 its exact KL creeps to about 0.5 nats, at
 # beta 0.01 it runs past 4 in 12 steps; a target of 1 nat is reachable only by moving beta.
+# 16 answers a step from a random tiny model: the sampled k1 mean is as noisy as the KL is large
+# (-0.09 against an exact 0.72 at one step), so the controller reads the exact KL, a step later.
 LEASH = dict(learning_rate=1e-2, prompts_per_step=4, group_size=4, checkpoint_every=0, kl_coef=3.0, kl_target=1.0,
-             kl_signal="exact")
+             kl_signal="exact", kl_control_signal="exact")
 
 
 def _records(out) -> list[dict]:
@@ -75,7 +78,7 @@ def test_steps_over_kl_bound_are_flagged_and_counted(tmp_path):
 
 
 def test_target_controller_resumes_bit_exactly(tmp_path):
-    kw = dict(steps=5, kl_controller="target", **{**LEASH, "checkpoint_every": 1})
+    kw = dict(steps=5, kl_controller="target", **{**LEASH, "checkpoint_every": 1, "kl_control_signal": "sampled"})
     clean, cut = tmp_path / "clean", tmp_path / "cut"
     train(tiny_cfg(clean, **kw), progress=False)
     interrupted_train(tiny_cfg(cut, **kw), 3)
@@ -88,11 +91,25 @@ def test_target_controller_resumes_bit_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_reward_mode_is_driven_too(tmp_path):
+@pytest.mark.parametrize("kl_mode", ["reward", "loss"])
+def test_controller_sets_beta_from_the_sampled_kl_before_the_update(tmp_path, kl_mode):
+    """kl_control_signal=sampled: each step's beta (the logged kl_coef, the one its update
+    used, in the reward penalty or the loss term) is what a stand-alone controller returns
+    when fed that step's sampled KL per answer, so beta acts on the batch it was measured on."""
     out = tmp_path / "run"
-    train(tiny_cfg(out, steps=4, kl_mode="reward", kl_controller="target", **LEASH), progress=False)
-    betas = [r["kl_coef"] for r in _records(out)]
-    assert betas[:2] == [3.0, 3.0] and betas[3] < betas[2] < 3.0  # KL far under target: released
+    cfg = tiny_cfg(out, steps=6, kl_mode=kl_mode, kl_controller="target",
+                   **{**LEASH, "kl_control_signal": "sampled", "kl_estimator": "k3" if kl_mode == "loss" else "k1"})
+    train(cfg, progress=False)
+    records = _records(out)
+    replay = TargetKLController(init_kl_coef=3.0, target=1.0)
+    expected = [replay.update(r["kl_per_seq"], n_steps=16) for r in records]
+    assert [r["kl_coef"] for r in records] == pytest.approx(expected, rel=1e-9)
+    assert len(set(expected)) > 1  # the replay really moved beta
+
+
+def test_exact_control_needs_the_exact_kl():
+    with pytest.raises(ValueError, match="kl_control_signal: 'exact' needs kl_signal='exact'"):
+        TrainConfig(kl_signal="sampled", kl_control_signal="exact").validate()
 
 
 def test_sampled_signal_skips_the_exact_kl(tmp_path):
@@ -102,7 +119,8 @@ def test_sampled_signal_skips_the_exact_kl(tmp_path):
     record, _ = prepared(run)
     assert record.ref_hidden is None and accumulate_gradients(run, record).kl_to_ref_exact is None
     out = tmp_path / "run"
-    summary = train(tiny_cfg(out, steps=3, kl_bound=0.05, **{**LEASH, "kl_signal": "sampled", "kl_coef": 0.01}),
+    summary = train(tiny_cfg(out, steps=3, kl_bound=0.05, **{**LEASH, "kl_signal": "sampled",
+                                                              "kl_control_signal": "sampled", "kl_coef": 0.01}),
                     progress=False)
     records = _records(out)
     assert all("kl_exact_per_seq" not in r and r["kl_signal"] == "sampled" for r in records)

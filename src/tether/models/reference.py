@@ -109,8 +109,17 @@ class AdapterDisabledReference(nn.Module):
             for module, training in modes:
                 module.training = training
 
-    def forward(self, *args, **kwargs):
+    @contextmanager
+    def scoring_view(self) -> Iterator[nn.Module]:
+        """What ``score_tokens`` scores for this reference: the base model with the adapter
+        off, under no-grad, so no gradient reaches the parameters it shares with the policy.
+        (Any model may define ``scoring_view``; this is the scorer kind of a shared-weight
+        reference.)"""
         with torch.no_grad(), self.disabled() as base:
+            yield base
+
+    def forward(self, *args, **kwargs):
+        with self.scoring_view() as base:
             return base(*args, **kwargs)
 
 

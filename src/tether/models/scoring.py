@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
 from tether.models.packing import packing_supported, score_packed
-from tether.models.reference import AdapterDisabledReference
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
 from tether.models.score_sink import HeadHidden, ScoredTokens, TokenSink, check_where
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
@@ -120,7 +119,9 @@ def score_tokens(
     """Log-prob (and entropy) of each token given its prefix, padding-free.
 
     Args:
-        model: HF causal LM (or PEFT model). Its train/eval mode is left untouched.
+        model: HF causal LM (or PEFT model). Its train/eval mode is left untouched. A model
+            with a ``scoring_view()`` context (``adapter_disabled(policy)``) is scored through
+            the module that context yields.
         tokens: ``long [B, T]`` token ids, padded on either side.
         attention_mask: ``bool [B, T]``, one contiguous run of valid tokens per row.
         temperature: the logits are divided by it before the softmax.
@@ -144,11 +145,9 @@ def score_tokens(
     """
     _check_inputs(model, tokens, attention_mask, token_budget, where)
     with ExitStack() as stack:
-        if isinstance(model, AdapterDisabledReference):
-            # The reference shares the policy's weights: score the base model with the adapter
-            # off, and never let gradients reach the shared parameters through it.
-            stack.enter_context(torch.no_grad())
-            model = stack.enter_context(model.disabled())
+        view = getattr(model, "scoring_view", None)
+        if view is not None:  # a model that is scored through another (adapter_disabled(policy))
+            model = stack.enter_context(view())
         parts = causal_lm_parts(model)
         if parts.decoder is None and (keep_hidden or kl_to is not None):
             raise TypeError(

@@ -89,7 +89,8 @@ class TrainConfig:
     kl_controller: str = _f("constant", "'constant', 'adaptive' (Ziegler et al. 2019) or 'target' (holds the KL at kl_target every step; kl_coef is its start) control of beta.")
     kl_target: float = _f(1.0, "KL the adaptive or target controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
-    kl_signal: str = _f("exact", "KL the controller and kl_bound read: 'exact' (full-vocabulary KL at the answer tokens, computed in the loss pass from the reference's hidden states: two head projections, no extra forward) or 'sampled' (k1 along the sampled answers). Both are logged (kl_exact_* and kl_*); Ray runs and soft-capped heads have only the sampled one.")
+    kl_signal: str = _f("exact", "KL that kl_bound and the summary read: 'exact' (full-vocabulary KL at the answer tokens, computed in the loss pass from the reference's hidden states: two head projections, no extra forward) or 'sampled' (k1 along the sampled answers). Both are logged (kl_exact_* and kl_*); Ray runs and soft-capped heads have only the sampled one.")
+    kl_control_signal: str = _f("sampled", "KL the controller reads: 'sampled' (k1 of the batch about to be trained on, known before its update: beta acts one step sooner) or 'exact' (the full-vocabulary KL from the loss pass, known after the update: less noise, one step later). Sampled suits batches of dozens of answers or more; exact suits small noisy batches.")
     kl_bound: float = _f(3.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
@@ -191,6 +192,9 @@ class TrainConfig:
                 lookup(table, getattr(self, name), name)
             except ValueError as exc:
                 p.append(str(exc))
+        need(self.kl_control_signal != "exact" or self.kl_signal == "exact",
+             "kl_control_signal: 'exact' needs kl_signal='exact' (the exact KL is computed only then); "
+             f"got kl_signal={self.kl_signal!r}: set both to 'exact' or the controller to 'sampled'")
         if self.kl_mode == "loss":
             need(self.kl_estimator in ("k2", "k3"), f"kl_estimator: kl_mode='loss' needs k2 or k3, got {self.kl_estimator!r}")
         need(not (self.lora_rank and self.reference_update == "ema"),
@@ -245,6 +249,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
             "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
+            "kl_control_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
             "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),
             "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}

@@ -147,20 +147,22 @@ def _update(run: Run, record: StepRecord, kept: list[GRPOTokenTerms], step: int)
 
 
 def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]:
-    cfg = run.cfg
-    start = time.perf_counter()
+    cfg, ranks, start = run.cfg, run.ranks, time.perf_counter()
     problems = step_problems(run, step)
-    with run.ranks.unsharded():  # sharded learner: no FSDP collective inside the no-grad passes
+    with ranks.unsharded():  # sharded learner: no FSDP collective inside the no-grad passes
         record = rollout(run, problems, step)
         scores = score_rewards(run, record, problems, step)
         add_reference(run, record)
+    sampled_kl = ranks.rows(record.sequence_log_ratio())  # every rank's answers
+    if cfg.kl_control_signal == "sampled":  # beta for this very update, from this batch's KL
+        run.controller.update(sampled_kl.tolist())
     add_advantages(run, record)
     kl_coef, lr = float(run.leash.kl_coef), run.optimizer.param_groups[0]["lr"]
     update = optimize(run, record, step)
     run.scheduler.step()
-    ranks = run.ranks
-    kl = measure_kl(ranks.rows(record.sequence_log_ratio()), update.terms.kl_to_ref_exact, update.terms.mask)
-    run.controller.update(kl.signal.tolist())
+    kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
+    if cfg.kl_control_signal == "exact":  # known only now: beta for the next update
+        run.controller.update(kl.signal.tolist())
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
     if ranks.writer:  # this rank's rows
@@ -192,9 +194,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, rollout: Rollout = sample,
           run: Run | None = None) -> dict[str, Any]:
     """Run (or resume) training; returns the summary also written to ``summary.json``.
-
-    ``rollout`` and ``run`` let another topology (``tether.train.recipe_ray``) reuse the loop.
-    """
+    ``rollout`` and ``run`` let another topology (``tether.train.recipe_ray``) reuse the loop."""
     if not resume:
         check_new_run_dir(cfg.validate())  # before loading anything: refuse another run's directory
     run = run or build_run(cfg)
