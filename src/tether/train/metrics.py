@@ -130,7 +130,7 @@ def constant_panels(config: dict[str, Any]) -> set[str]:
     constant = set()
     if config.get("updates_per_rollout", 1) == 1:
         constant |= {"clip_fraction", "ess"}
-    if config.get("kl_controller", "constant") == "constant":
+    if config.get("kl_controller", "target") == "constant":  # a missing key means the default
         constant.add("kl_coef")
     if config.get("lr_schedule", "constant") == "constant" and not config.get("warmup_steps", 0):
         constant.add("lr")
