@@ -47,7 +47,6 @@ from tether.models.reference import AdapterDisabledReference
 from tether.models.score_sink import HeadHidden
 from tether.objectives import GRPOTokenTerms
 from tether.train.devices import resolve_device
-from tether.train.kl_signal import KLMeasurement
 from tether.train.rewards import Scores
 
 
@@ -267,15 +266,6 @@ def gather_scores(ranks: Ranks, scores: Scores) -> Scores:
         return scores
     correct = None if scores.correct is None else ranks.rows(scores.correct)
     return Scores(ranks.rows(scores.total), correct, {k: ranks.rows(v) for k, v in scores.per_function.items()})
-
-
-def gather_kl(ranks: Ranks, kl: KLMeasurement) -> KLMeasurement:
-    """The step's KLs of every rank's answers: the controller sees the same signal on every rank."""
-    if ranks.size == 1:
-        return kl
-    exact = None if kl.exact is None else ranks.rows(kl.exact)
-    tokens = int(ranks.total(torch.tensor([kl.tokens])))
-    return KLMeasurement(sampled=ranks.rows(kl.sampled), exact=exact, tokens=tokens)
 
 
 def gather_terms(ranks: Ranks, terms: GRPOTokenTerms) -> GRPOTokenTerms:
