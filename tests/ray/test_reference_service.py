@@ -81,10 +81,26 @@ def wait_until(condition, what: str, timeout_s: float = 60.0):
     return value
 
 
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie not yet reaped counts as gone: it runs nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_a_service_killed_with_a_request_queued_scores_every_request_exactly_once(tmp_path):
     """Requests A and B (one group of 6 rows) are scored together. C opens a second group of 6
     rows and is confirmed queued at the service (not yet scored) when ray.kill(no_restart=False)
-    hits; D, the rest of C's group, is sent while the actor restarts. The factory builds the model
+    hits; D, the rest of C's group, is sent once the old process is gone, while the actor
+    restarts (ray.kill returns before the process exits: a D sent at once can reach the old
+    instance, complete the group there and be scored, and Ray then rightly retries C and D on
+    the new instance, which is "at most once per instance", not once in all). The factory builds the model
     again in the new process, which scores C (resubmitted by Ray) and D in one forward pass as
     soon as the group is complete, not after max_wait_ms (60 s). The scorer's log, which outlives
     both instances, names every request exactly once, and every caller got its own rows, equal
@@ -108,6 +124,7 @@ def test_a_service_killed_with_a_request_queued_scores_every_request_exactly_onc
         pending = {"C": client.submit(*requests["C"], request_id="C", group="g2", group_rows=6)}
         wait_until(lambda: service.stats().queued_ids == ["C"], "C to be queued at the service")
         ray.kill(service.actor, no_restart=False)
+        wait_until(lambda: process_gone(before.pid), "the killed service process to exit")
         pending["D"] = client.submit(*requests["D"], request_id="D", group="g2", group_rows=6)
         replies.update({n: p.reply(timeout_s=120) for n, p in pending.items()})
         elapsed = time.monotonic() - started
