@@ -127,7 +127,6 @@ def test_shared_draw_equals_one_process_when_one_rank_ends_early():
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
     ({"prompts_per_step": 3}, "prompts_per_step: 3 prompts cannot be split into whole groups over nproc=2"),
-    ({"workers": 1}, "workers: Ray rollout workers (workers=1) and a sharded learner (nproc=2)"),
     ({"updates_per_rollout": 2}, "updates_per_rollout: nproc=2 supports 1 update per rollout"),
     ({"reference_update": "sync"}, "reference_update: nproc=2 supports the fixed reference only"),
 ])
@@ -137,6 +136,7 @@ def test_sharded_config_refusals_name_the_key(overrides, fragment):
     with pytest.raises(ValueError, match="invalid configuration"):
         cfg.validate()
     assert config_problems(TrainConfig(nproc=0)) == ["nproc: expected >= 1 learner processes, got 0"]
+    assert config_problems(TrainConfig(nproc=2, prompts_per_step=4, workers=2)) == []  # tests/ray/test_sharded_workers.py
 
 
 def test_launch_command_hands_nproc_to_torchrun_not_to_the_ranks():

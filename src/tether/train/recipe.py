@@ -47,12 +47,13 @@ Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
 
 # ------------------------------------------------------------------------------ stages
-def step_problems(run: Run, step: int) -> list[Problem]:
-    """This rank's share of the step's problems (all of them in one process), each repeated
-    ``group_size`` times: a pure function of (seed, step)."""
+def step_problems(run: Run, step: int, *, every_rank: bool = False) -> list[Problem]:
+    """This rank's share of the step's problems (all of them in one process or with
+    ``every_rank``), each repeated ``group_size`` times: a pure function of (seed, step)."""
     cfg = run.cfg
     first = step * cfg.prompts_per_step
-    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in run.ranks.share(cfg.prompts_per_step)]
+    share = range(cfg.prompts_per_step) if every_rank else run.ranks.share(cfg.prompts_per_step)
+    problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in share]
     return [p for p in problems for _ in range(cfg.group_size)]
 
 

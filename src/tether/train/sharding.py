@@ -27,6 +27,9 @@ shared-prefix split), so FSDP's all-gathers and reduce-scatters line up. Scoring
 decoder and the head weight directly, not the root's forward, so a pre-hook on the decoder
 gathers the root unit first. Evaluation runs the whole held-out set on every rank: the same
 inputs and weights give every rank the same passes.
+
+With Ray rollout workers rank 0 alone talks to Ray (``Ranks.on_writer``) and hands each rank
+its block of the step's rows (``Ranks.scatter``; ``tether.train.recipe_ray``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,8 @@ from tether.models.score_sink import HeadHidden
 from tether.objectives import GRPOTokenTerms
 from tether.train.devices import resolve_device
 from tether.train.rewards import Scores
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -99,6 +104,34 @@ class Ranks:
         """Every rank's rows of ``value`` stacked in rank order (see ``parts``)."""
         return value if self.size == 1 else torch.cat(self.parts(value))
 
+    def on_writer(self, fn: Callable[[], T]) -> T | None:
+        """``fn()`` on rank 0 alone (its result there, None on the other ranks). When it raises,
+        rank 0 raises it and every other rank a ``RuntimeError`` naming it, instead of waiting
+        in a collective that rank 0 will never join."""
+        if self.size == 1:
+            return fn()
+        result, failure = None, None
+        if self.writer:
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - told to the other ranks, then raised
+                failure = exc
+        told = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(told, src=0, device=self.device)
+        if failure is not None:
+            raise failure
+        if told[0] is not None:
+            raise RuntimeError(f"rank 0 failed, so rank {self.rank} stops too: {told[0]}")
+        return result
+
+    def scatter(self, parts: list[Any] | None) -> Any:
+        """Rank 0's ``parts[r]`` (any picklable object) on each rank ``r``; ``parts`` is read on rank 0 only."""
+        if self.size == 1:
+            return parts[0]
+        got: list[Any] = [None]
+        dist.scatter_object_list(got, parts if self.writer else None, src=0)
+        return got[0]
+
     def own(self, kept: HeadHidden | None) -> HeadHidden | None:
         """``kept`` with its own copy of the head weight: the one it points at is a gathered FSDP
         parameter, whose storage ``unsharded()`` frees on leaving the block."""
@@ -149,9 +182,6 @@ def config_problems(cfg: Any) -> list[str]:
     if cfg.prompts_per_step % n:
         p.append(f"prompts_per_step: {cfg.prompts_per_step} prompts cannot be split into whole groups over "
                  f"nproc={n} ranks; give a multiple of {n}")
-    if cfg.workers:
-        p.append(f"workers: Ray rollout workers (workers={cfg.workers}) and a sharded learner (nproc={n}) "
-                 "together are not supported; use one of them")
     if cfg.updates_per_rollout != 1:
         p.append(f"updates_per_rollout: nproc={n} supports 1 update per rollout (its mini-batches would not "
                  f"be the one-process ones), got {cfg.updates_per_rollout}")
