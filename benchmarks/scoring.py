@@ -13,7 +13,9 @@ doing the same job on the same chats:
 - reference only (``RetrieveLogProb``; ``RetrieveKL(gen_model=None)`` and
   ``KLRewardTransform``, which read the policy's log-probs from the batch; the Ray
   ``ReferenceService``'s actor body, in process: packing, one ``score`` call, unpacking,
-  Ray's transport not included) against TorchRL's ``RetrieveLogProb``.
+  Ray's transport not included) against TorchRL's ``RetrieveLogProb``;
+- the KL job when the sampler's log-probs are in the batch (``RetrieveKL(gen_model=None)``
+  again, row ``reuse-kl``) against TorchRL's ``RetrieveKL``, which scores the policy again.
 
 TorchRL runs under ``torch.no_grad()`` with its own ``TransformersWrapper`` (history input,
 ``pad_output=True``); it re-renders the chats whatever the batch holds, so its two jobs are
@@ -61,6 +63,7 @@ class EntryPoint:
     baseline: str  # TorchRL job: "kl" (policy + reference) or "ref" (reference only)
     time_target: float
     memory_target: float
+    setup: str | None = None  # the entry point whose set-up this row times, when not its own key
 
 
 KL_TARGETS, REF_TARGETS = (0.55, 0.45), (0.55, 0.40)
@@ -70,6 +73,9 @@ ENTRY_POINTS = {
     "ref-chats": EntryPoint("RetrieveLogProb", "chats", "ref", *REF_TARGETS),
     "ref-tokens": EntryPoint("RetrieveLogProb", "tokens", "ref", *REF_TARGETS),
     "reuse": EntryPoint("RetrieveKL(gen_model=None)", "tokens", "ref", *REF_TARGETS),
+    # The KL job done by reusing the sampler's log-probs, against TorchRL rescoring the policy too.
+    "reuse-kl": EntryPoint("RetrieveKL(gen_model=None), sampling log-probs reused", "tokens", "kl", *KL_TARGETS,
+                           setup="reuse"),
     "kl-reward": EntryPoint("KLRewardTransform", "tokens", "ref", *REF_TARGETS),
     "service": EntryPoint("ReferenceService (actor body)", "tokens", "ref", *REF_TARGETS),
 }
@@ -147,6 +153,7 @@ def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | N
     from tether.models import TransformersWrapper
 
     torch.set_num_threads(threads)
+    variant = ENTRY_POINTS[variant].setup or variant
     policy_model, reference_model, tok = _models()
     chats = make_chats(tok, n_chats)
     tuned = {} if token_budget is None else {"token_budget": token_budget}
