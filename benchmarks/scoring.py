@@ -34,6 +34,7 @@ interpreter that has it (default: this one when it imports ``ray``, else the row
     .venv-bench/bin/python benchmarks/scoring.py --quick    # 4 chats, one round, one timed call
     .venv-bench/bin/python benchmarks/scoring.py --ray-python .venv/bin/python
     .venv/bin/python benchmarks/scoring.py --no-torchrl     # tether only (no torchrl there)
+    .venv-bench/bin/python benchmarks/scoring.py --compile --warmup 2  # tether's decoders compiled
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _service_call(reference, batch):
     return lambda: server._forward([ScoreRequest(f"r{next(count)}", tokens, mask)])
 
 
-def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | None = None):
+def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | None = None, compile: bool = False):
     """Build models and workload; return the callable timed for entry point ``variant``."""
     import torch
 
@@ -155,6 +156,9 @@ def setup_tether(variant: str, n_chats: int, threads: int, token_budget: int | N
     torch.set_num_threads(threads)
     variant = ENTRY_POINTS[variant].setup or variant
     policy_model, reference_model, tok = _models()
+    if compile:  # the user's one line: torch.compile the decoders the scoring engine calls (once per process)
+        for model in (policy_model, reference_model):
+            model.get_decoder().compile(dynamic=True)
     chats = make_chats(tok, n_chats)
     tuned = {} if token_budget is None else {"token_budget": token_budget}
     policy = TransformersWrapper(policy_model, tok, generate=False, **tuned)
@@ -274,6 +278,8 @@ def run_table(n_chats: int, args, with_torchrl: bool, variants: list[str]) -> st
         kwargs = {"variant": variant, "n_chats": n_chats, "threads": args.threads}
         if setup == "setup_tether" and args.token_budget is not None:
             kwargs["token_budget"] = args.token_budget
+        if setup == "setup_tether" and args.compile:
+            kwargs["compile"] = True
         return measure_in_subprocess(__file__, setup, kwargs, repeats=args.repeats, warmup=args.warmup,
                                      python=python)
 
@@ -310,6 +316,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of TorchRL/tether alternation")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument("--token-budget", type=int, default=None, help="TransformersWrapper(token_budget=N) for tether")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile tether's decoders before timing (the compile falls in the warm-up)")
     parser.add_argument("--only", nargs="+", choices=sorted(ENTRY_POINTS), default=None, help="entry points to time")
     parser.add_argument("--ray-python", default=None, help="interpreter with Ray for the service row")
     parser.add_argument("--no-torchrl", action="store_true", help="tether entry points only")
