@@ -65,7 +65,8 @@ def run_one(setting: Setting, controller: str, args: argparse.Namespace) -> list
         max_new_tokens=args.max_new_tokens, micro_batch_size=args.prompts * args.group,
         learning_rate=setting.learning_rate, kl_coef=setting.kl_coef, kl_mode=setting.kl_mode,
         kl_estimator="k3" if setting.kl_mode == "loss" else "k1", kl_controller=controller,
-        kl_target=args.kl_target, kl_signal="exact", kl_bound=3.0, eval_size=0, checkpoint_every=0, out=str(out), threads=args.threads,
+        kl_target=args.kl_target, kl_signal="exact", kl_bound=3.0, eval_size=0, checkpoint_every=0, out=str(out),
+        threads=args.threads,
     )
     train(cfg, progress=False)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

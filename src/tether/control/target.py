@@ -121,7 +121,8 @@ class TargetKLController:
     module docstring. ``update`` takes the same inputs as ``AdaptiveKLController.update``.
     """
 
-    _CONFIG = ("target", "brake_gain", "release_gain", "lookahead", "hold_growth", "smoothing", "max_rise", "max_fall", "min_coef", "max_coef")
+    _CONFIG = ("target", "brake_gain", "release_gain", "lookahead", "hold_growth", "smoothing", "max_rise",
+               "max_fall", "min_coef", "max_coef")
     _STATE_KEYS = ("kl_coef", *_CONFIG, "last_kl", "trend", "num_updates")
 
     def __init__(
@@ -140,8 +141,9 @@ class TargetKLController:
         min_coef: float = 1e-4,
         max_coef: float = 1e3,
     ) -> None:
-        config = dict(target=target, brake_gain=brake_gain, release_gain=release_gain, lookahead=lookahead, hold_growth=hold_growth, smoothing=smoothing,
-                      max_rise=max_rise, max_fall=max_fall, min_coef=min_coef, max_coef=max_coef)
+        config = dict(target=target, brake_gain=brake_gain, release_gain=release_gain, lookahead=lookahead,
+                      hold_growth=hold_growth, smoothing=smoothing, max_rise=max_rise, max_fall=max_fall,
+                      min_coef=min_coef, max_coef=max_coef)
         self._configure(config, init_kl_coef, "init_kl_coef")
         self.last_kl: float | None = None
         self.trend = 0.0

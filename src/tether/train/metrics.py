@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tether.train.config import TrainConfig
+
 # (metric key, plot title, y label) for every curve ``tether plot`` draws.
 PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("reward_mean", "Reward (mean over samples)", "reward"),
@@ -127,12 +129,17 @@ def constant_panels(config: dict[str, Any]) -> set[str]:
     the weights that sampled it), so the clip fraction is 0 and the ESS 1; a constant KL
     controller never moves beta; a constant schedule without warm-up never moves the rate.
     """
+    default = TrainConfig()  # a key the mapping lacks has its default value
+
+    def setting(name: str) -> Any:
+        return config.get(name, getattr(default, name))
+
     constant = set()
-    if config.get("updates_per_rollout", 1) == 1:
+    if setting("updates_per_rollout") == 1:
         constant |= {"clip_fraction", "ess"}
-    if config.get("kl_controller", "target") == "constant":  # a missing key means the default
+    if setting("kl_controller") == "constant":
         constant.add("kl_coef")
-    if config.get("lr_schedule", "constant") == "constant" and not config.get("warmup_steps", 0):
+    if setting("lr_schedule") == "constant" and not setting("warmup_steps"):
         constant.add("lr")
     return constant
 
