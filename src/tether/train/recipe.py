@@ -195,10 +195,14 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, rollout: Rollout = sample,
           run: Run | None = None) -> dict[str, Any]:
     """Run (or resume) training; returns the summary also written to ``summary.json``.
-    ``rollout`` and ``run`` let another topology (``tether.train.recipe_ray``) reuse the loop."""
-    if not resume:
-        check_new_run_dir(cfg.validate())  # before loading anything: refuse another run's directory
-    run = run or build_run(cfg)
+    ``rollout`` and ``run`` let another topology (``tether.train.recipe_ray``) reuse the loop; a
+    caller that passes ``run`` has checked ``cfg.out`` with ``check_new_run_dir`` before building it."""
+    if run is None:
+        if not resume:
+            # Every rank checks before build_run's first collective: after it, rank 0 may already
+            # have written config.yaml, and a later check on another rank would see its own run.
+            check_new_run_dir(cfg.validate())
+        run = build_run(cfg)
     writer = run.ranks.writer  # a sharded learner's rank 0 alone writes the run directory
     try:
         wall = time.perf_counter()
@@ -206,8 +210,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, roll
             start, state = restore_run(run)
             before = state["eval_before"]
         else:
-            if writer:
-                start_new_run(cfg)
+            run.ranks.on_writer(lambda: start_new_run(cfg))
             before, start = evaluate_run(run, None, with_kl=False), 0
         if writer:
             run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
