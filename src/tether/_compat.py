@@ -2,8 +2,9 @@
 
 Everything here leans on something a dependency does not promise to keep: the layout of
 ``transformers``' ``DynamicCache`` (its ``layers`` with ``keys``/``values``, the
-``ddp_cache_data`` constructor argument, ``batch_select_indices``), the quantizer bookkeeping
-that GGUF loading leaves on a model, the training-mode gate of transformers' gradient
+``ddp_cache_data`` constructor argument, ``batch_select_indices``), the attention kernel a
+model's config names (read, and switched for a packed pass), the quantizer bookkeeping that
+GGUF loading leaves on a model, the training-mode gate of transformers' gradient
 checkpointing, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its resolution of a bootstrap
 address. Keeping them together means a dependency upgrade is checked in one file, and
 ``TESTED`` (mirrored by the upper bounds in ``pyproject.toml``) says which releases that file
@@ -96,10 +97,44 @@ def select_cache_rows(cache: Any, index: Tensor) -> None:
     cache.batch_select_indices(index)
 
 
-# ------------------------------------------------------------------ transformers GGUF loading
+# ------------------------------------------------------------------ transformers attention kernels
 def attention_implementation(model: Any) -> str | None:
     """The attention kernel a Hugging Face model's config selected (``"sdpa"``, ``"flash_attention_2"``, ...)."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def supports_attention_interface(model: Any) -> bool:
+    """Whether ``model``'s attention layers call the kernel its config names through transformers'
+    ``AttentionInterface`` (so a kernel registered there replaces theirs)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(inner, "_supports_attention_backend", False))
+
+
+def register_attention(name: str, fn: Any) -> None:
+    """Register ``fn`` under ``name`` in transformers' attention interface. The name gets no mask
+    function: transformers then builds no attention mask for it, and ``fn`` reads the layout
+    from its keyword arguments."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+
+
+@contextlib.contextmanager
+def attention_kernel(model: Any, name: str | None) -> Iterator[None]:
+    """Let ``model`` (and every module sharing its config) attend with kernel ``name`` inside the block."""
+    config = getattr(model, "config", None)
+    before = attention_implementation(model)
+    if name is None or config is None or name == before:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+# ------------------------------------------------------------------ transformers GGUF loading
 
 
 def clear_quantizer_marker(model: Any) -> None:

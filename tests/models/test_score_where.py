@@ -124,3 +124,16 @@ def test_keep_hidden_and_kl_to_refuse_positions_they_cannot_count(two_models):
         score_tokens(reference, tokens, mask, where=first, keep_hidden=True)
     with pytest.raises(ValueError, match=r"where: expected a bool mask of the tokens' shape"):
         score_tokens(reference, tokens, mask, where=where.long())
+
+
+def test_default_head_chunk_keeps_the_cpu_scratch_under_24_mib():
+    """24 MiB / (49152 x 4 B) = 128 float32 rows for the embedded model's vocabulary, 64 in float64
+    (8 B; bfloat16 is reduced in float32, so 128 too); a 10^6 vocabulary in float64 would allow 3,
+    raised to the floor of 16; off the CPU the ops' default stays (None)."""
+    from tether.models.score_sink import default_chunk_size
+
+    assert default_chunk_size(torch.empty(49152, 1)) == 128
+    assert default_chunk_size(torch.empty(49152, 1, dtype=torch.float64)) == 64
+    assert default_chunk_size(torch.empty(49152, 1, dtype=torch.bfloat16)) == 128
+    assert default_chunk_size(torch.empty(10**6, 1, dtype=torch.float64)) == 16
+    assert default_chunk_size(torch.empty(49152, 1, device="meta")) is None

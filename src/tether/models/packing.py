@@ -1,14 +1,25 @@
-"""Padding-free scoring by packing: every row's valid tokens end to end in one sequence.
+"""Padding-free scoring by packing: rows' valid tokens end to end, attention kept within each row.
 
-Hugging Face's flash-attention integrations read sequence boundaries from ``position_ids``
-that restart at 0 and run the variable-length kernel, so packed rows attend only within
-themselves and no pad token is computed at all. SDPA and eager attention read no such
-boundaries: packed rows would attend across each other. ``packing_supported`` therefore
-says yes only for a flash-attention implementation whose kernel is installed (a CUDA
-machine); everywhere else ``score_tokens`` keeps its right-padded micro-batches.
+Every matrix product of a decoder layer is position-wise, so a pass over rows laid end to end
+computes no pad token at all; only attention must know where one row stops. Two kernels
+keep it inside rows:
 
-One packed pass holds the whole batch, so its activations are the batch's real tokens
-only; callers that need a bound cut the batch first (the trainer's micro-batches do).
+- Hugging Face's flash-attention integrations, when their kernel is installed (a CUDA
+  machine), run variable-length attention from the boundaries passed as ``cu_seq_lens_*``.
+- Everywhere else, for models whose attention goes through transformers' attention
+  interface, tether's own ``row_attention``: inside each layer it lays the packed queries,
+  keys and values out as ``[rows, heads, longest, dim]`` (right-padded) and runs causal SDPA.
+  A query never sees a later key, so right padding never reaches a real position; the pad
+  positions' outputs are dropped. Only attention, about a tenth of a pass, pays for padding.
+
+``row_attention`` is switched on for the length of one pass (``_compat.attention_kernel``)
+and refuses a call that carries no row boundaries, so it cannot leak into other calls. It
+does not implement sliding windows or logit soft-capping: models configured with either,
+and passes whose layers would re-run their forward under gradient checkpointing (after the
+switch is undone), keep the right-padded micro-batches of ``tether.models.scoring``.
+
+Passes are cut by ``plan_packed_passes``: rows longest first, at most ``token_budget`` real
+tokens per pass (a longer row gets a pass of its own).
 """
 
 from __future__ import annotations
@@ -17,26 +28,48 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tether._compat import attention_implementation
+from tether._compat import attention_implementation, attention_kernel, register_attention, supports_attention_interface
 from tether.models.score_plan import row_spans
 from tether.models.score_sink import TokenSink
 
-# Attention implementations whose Hugging Face integration turns restarting position_ids into
-# variable-length attention, and the package holding their kernel.
+# Attention implementations whose Hugging Face integration runs variable-length attention
+# from cu_seq_lens, and the package holding their kernel.
 VARLEN_ATTENTION = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+ROW_ATTENTION = "tether_row_attention"  # the name row_attention is registered under
+# Config switches of attention variants row_attention does not implement.
+_UNSUPPORTED_CONFIG = ("sliding_window", "attn_logit_softcapping")
+
+
+def packed_kernel(model: nn.Module) -> str | None:
+    """The attention implementation a packed pass of ``model`` runs, or None (no packing).
+
+    The model's own flash-attention kernel when it is installed; else ``ROW_ATTENTION`` for a
+    model whose attention goes through transformers' interface and uses no variant that
+    ``row_attention`` lacks (sliding window, soft-capping).
+    """
+    current = attention_implementation(model)
+    kernel = VARLEN_ATTENTION.get(current)
+    if kernel is not None:
+        return current if importlib.util.find_spec(kernel) is not None else None
+    config = getattr(model, "config", None)
+    if current not in ("sdpa", "eager") or not supports_attention_interface(model):
+        return None
+    if any(getattr(config, name, None) is not None for name in _UNSUPPORTED_CONFIG):
+        return None
+    return ROW_ATTENTION
 
 
 def packing_supported(model: nn.Module) -> bool:
-    """Whether ``model`` attends within packed rows only (a flash-attention kernel that is installed)."""
-    kernel = VARLEN_ATTENTION.get(attention_implementation(model))
-    return kernel is not None and importlib.util.find_spec(kernel) is not None
+    """Whether ``model`` can score packed rows without attending across them (see ``packed_kernel``)."""
+    return packed_kernel(model) is not None
 
 
 @dataclass(frozen=True)
 class PackedRows:
-    """A ``[B, T]`` batch laid end to end (``N`` valid tokens).
+    """Rows of a ``[B, T]`` batch laid end to end (``N`` valid tokens, ``R`` rows).
 
     Attributes:
         ids: ``long [1, N]`` the valid tokens, row after row.
@@ -44,6 +77,8 @@ class PackedRows:
         labels: ``long [1, N]`` the next token of the same row (0 after a row's last token).
         scored: ``bool [1, N]`` positions whose next token is in the same row.
         flat_index: ``long [n]`` ``row * T + column`` of the label of each scored position.
+        bounds: ``int32 [R + 1]`` where each row starts in ``ids``, then ``N``.
+        longest: the longest row's length.
     """
 
     ids: Tensor
@@ -51,25 +86,98 @@ class PackedRows:
     labels: Tensor
     scored: Tensor
     flat_index: Tensor
+    bounds: Tensor
+    longest: int
+
+    def boundaries(self) -> dict:
+        """The keyword arguments that carry the row boundaries through a transformers decoder."""
+        return {"cu_seq_lens_q": self.bounds, "cu_seq_lens_k": self.bounds,
+                "max_length_q": self.longest, "max_length_k": self.longest}
 
 
-def pack_rows(tokens: Tensor, attention_mask: Tensor) -> PackedRows:
-    """Pack ``tokens [B, T]`` (one contiguous run of valid tokens per row, either padding side)."""
+def pack_rows(tokens: Tensor, attention_mask: Tensor, rows: Tensor | None = None) -> PackedRows:
+    """Pack ``rows`` (default: all, in order) of ``tokens [B, T]`` (each row one contiguous run
+    of valid tokens, either padding side); ``flat_index`` addresses the whole ``[B, T]`` grid."""
     start, lengths = row_spans(attention_mask)
-    mask = attention_mask.bool()
-    rows, cols = mask.nonzero(as_tuple=True)  # row-major: each row's tokens in order
-    position = cols - start[rows]
-    ids = tokens[rows, cols]
-    scored = position < (lengths[rows] - 1)
+    rows = torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows
+    lengths = lengths[rows]
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=tokens.device), lengths)
+    bounds = torch.zeros(rows.numel() + 1, dtype=torch.long, device=tokens.device)
+    bounds[1:] = lengths.cumsum(0)
+    position = torch.arange(owner.numel(), device=tokens.device) - bounds[owner]
+    row, col = rows[owner], start[rows][owner] + position
+    ids = tokens[row, col]
+    scored = position < (lengths[owner] - 1)
     labels = torch.zeros_like(ids)
     labels[:-1] = torch.where(scored[:-1], ids[1:], 0)
-    flat_index = (rows * tokens.shape[1] + cols + 1)[scored]
-    return PackedRows(ids[None], position[None], labels[None], scored[None], flat_index)
+    flat_index = (row * tokens.shape[1] + col + 1)[scored]
+    longest = int(lengths.max()) if rows.numel() else 0
+    return PackedRows(ids[None], position[None], labels[None], scored[None], flat_index,
+                      bounds.to(torch.int32), longest)
 
 
-def score_packed(decoder: nn.Module, tokens: Tensor, attention_mask: Tensor, sink: TokenSink) -> None:
-    """``score_tokens``'s hidden states from one packed pass of ``decoder``, into ``sink`` (see the module doc)."""
+def plan_packed_passes(lengths: Tensor, token_budget: int) -> list[Tensor]:
+    """Row indices per packed pass: longest first, at most ``token_budget`` tokens a pass."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    passes: list[list[int]] = []
+    total = token_budget + 1  # forces a first pass
+    for row, length in zip(order.tolist(), lengths[order].tolist()):
+        if total + length > token_budget:
+            passes.append([])
+            total = 0
+        passes[-1].append(row)
+        total += length
+    return [torch.tensor(p, dtype=torch.long, device=lengths.device) for p in passes]
+
+
+def row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """Causal attention within each packed row (transformers' attention-interface signature).
+
+    ``query [1, Hq, N, D]``, ``key``/``value`` ``[1, Hkv, N, D]``; row boundaries from
+    ``cu_seq_lens_q`` (``[R + 1]``) and ``max_length_q``. Returns ``[1, N, Hq, D]``.
+    """
+    bounds, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if bounds is None or longest is None or query.shape[0] != 1:
+        raise RuntimeError(
+            f"{ROW_ATTENTION}: expected one packed row of tokens with cu_seq_lens_q and max_length_q, got a "
+            f"batch of {query.shape[0]} without them; it serves tether.models.packing's packed passes only."
+        )
+    for name in ("sliding_window", "softcap"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{ROW_ATTENTION}: {name}={kwargs[name]!r} is not implemented.")
+    tokens = query.shape[2]
+    lengths = (bounds[1:] - bounds[:-1]).long()
+    cols = torch.arange(int(longest), device=query.device)
+    valid = cols < lengths[:, None]  # [R, L]
+    gather = torch.where(valid, bounds[:-1, None].long() + cols, tokens)  # pad slots read an appended zero
+
+    def by_row(x: Tensor) -> Tensor:  # [1, H, N, D] -> [R, H, L, D]
+        x = torch.cat([x[0], x.new_zeros(x.shape[1], 1, x.shape[3])], dim=1)
+        return x[:, gather].transpose(0, 1)
+
+    q, k, v = by_row(query), by_row(key), by_row(value)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
+    return out.transpose(1, 2)[valid][None], None
+
+
+register_attention(ROW_ATTENTION, row_attention)
+
+
+def score_packed(decoder: nn.Module, model: nn.Module, tokens: Tensor, attention_mask: Tensor, sink: TokenSink,
+                 token_budget: int) -> None:
+    """``score_tokens``'s hidden states from packed passes of ``decoder``, into ``sink`` (see the module doc)."""
     device = sink.head.weight.device
-    packed = pack_rows(tokens.to(device), attention_mask.to(device))
-    hidden = decoder(input_ids=packed.ids, position_ids=packed.position_ids).last_hidden_state
-    sink.add(hidden[packed.scored], packed.labels[packed.scored], packed.flat_index)
+    tokens, attention_mask = tokens.to(device), attention_mask.to(device)
+    kernel = packed_kernel(model)
+    _, lengths = row_spans(attention_mask)
+    for rows in plan_packed_passes(lengths, token_budget):
+        packed = pack_rows(tokens, attention_mask, rows)
+        if not packed.scored.any():
+            continue  # rows of 0 or 1 token: nothing is predicted
+        with attention_kernel(decoder, kernel):
+            hidden = decoder(input_ids=packed.ids, position_ids=packed.position_ids, use_cache=False,
+                             **packed.boundaries()).last_hidden_state
+        sink.add(hidden[packed.scored], packed.labels[packed.scored], packed.flat_index)

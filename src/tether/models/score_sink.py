@@ -1,7 +1,7 @@
 """Where scoring ends: hidden states at batch positions become per-token values on the grid.
 
-Every scoring path of ``tether.models.scoring`` (plain right-padded micro-batches, the
-shared-prefix split) runs a decoder and hands each chunk of last hidden states to one
+Every scoring path of ``tether.models.scoring`` (packed passes, right-padded micro-batches,
+the shared-prefix split) runs a decoder and hands each chunk of last hidden states to one
 ``TokenSink`` together with the labels they predict and their flat ``row * T + col``
 positions. The sink is the only place that
 
@@ -24,6 +24,22 @@ from torch import Tensor, nn
 
 from tether.models.score_plan import scatter_tokens
 from tether.ops import TokenStats, exact_kl_from_hidden, token_stats_from_hidden
+from tether.ops._vocab_checks import compute_dtype
+
+# Largest vocabulary-wide scratch (chunk_size x V) the head uses on a CPU when the caller sets
+# no chunk size. glibc hands an allocation above 32 MiB (its largest mmap threshold) fresh
+# pages and unmaps it on free; with the ops' 1024-token default (192 MiB for a 49k
+# vocabulary) every pass paged hundreds of MiB back in: 0.1-0.45 M minor faults and 10-15 %
+# of a reference pass of the embedded model, against none under this cap (benchmarks/scoring.py).
+CPU_HEAD_SCRATCH_BYTES = 24 << 20
+
+
+def default_chunk_size(head_weight: Tensor) -> int | None:
+    """Tokens per head chunk when the caller gives none: the scratch cap on a CPU, the ops' default elsewhere."""
+    if head_weight.device.type != "cpu":
+        return None
+    itemsize = torch.finfo(compute_dtype(head_weight.dtype)).bits // 8
+    return max(16, CPU_HEAD_SCRATCH_BYTES // (head_weight.shape[0] * itemsize))
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class TokenSink:
                 "pass the HeadHidden kept by a scoring call with the same tokens and where."
             )
         self.rank = None if where is None else self.where.long().cumsum(0) - 1
+        chunk_size = default_chunk_size(head.weight) if chunk_size is None else chunk_size
         self.kwargs = {"temperature": temperature, **({} if chunk_size is None else {"chunk_size": chunk_size})}
         self.with_entropy, self.keep_hidden, self.kl_to = with_entropy, keep_hidden, kl_to
         self.index: list[Tensor] = []

@@ -4,11 +4,12 @@
 optionally the entropy of that predictive distribution) without ever materialising the
 ``[B, T, V]`` logits of the batch:
 
-* Rows are sorted by length and cut into micro-batches of similar length whose padded size
-  stays under a token budget, so a batch of mixed lengths costs close to its real token
-  count. Each micro-batch is right-padded, so causal attention never sees a pad before a
-  real token and no position can attend to a later one (unlike sequence packing without a
-  block mask, which leaks future tokens across packed rows).
+* Rows are packed end to end, at most a token budget of real tokens per pass, with an
+  attention kernel that keeps each row to itself (``tether.models.packing``): no pad token
+  goes through a matrix product. Models that kernel cannot serve (sliding window,
+  soft-capped attention, attention outside transformers' interface) get rows sorted by
+  length and cut into right-padded micro-batches whose padded size stays under the budget;
+  causal attention never lets a real position see a pad or a later token.
 * The decoder's last hidden states go through ``tether.ops.token_stats_from_hidden``, which
   computes the head in chunks and recomputes them in backward.
 
@@ -125,8 +126,10 @@ def score_tokens(
         tokens: ``long [B, T]`` token ids, padded on either side.
         attention_mask: ``bool [B, T]``, one contiguous run of valid tokens per row.
         temperature: the logits are divided by it before the softmax.
-        chunk_size: tokens per chunk of the output head (None: ops default).
-        token_budget: upper bound on ``rows * longest_row`` of one forward pass.
+        chunk_size: tokens per chunk of the output head (None: a scratch of at most 24 MiB on a CPU,
+            the ops default elsewhere; see ``score_sink.default_chunk_size``).
+        token_budget: most tokens in one forward pass (its real tokens when rows are packed,
+            ``rows * longest_row`` for right-padded micro-batches).
         with_entropy: also return the entropy of ``p(. | x_<t)`` at each position.
         share_prefix: run each distinct prompt prefix through the decoder once when rows
             share it (GRPO groups); see ``tether.models.shared_prefix``. Same values up to
@@ -192,8 +195,10 @@ def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, 
 
 
 def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int, sink: TokenSink) -> None:
-    if parts.decoder is not None and packing_supported(parts.model):  # varlen attention: no padding at all
-        score_packed(parts.decoder, tokens, attention_mask, sink)
+    if parts.decoder is not None and packing_supported(parts.model) and not (
+        torch.is_grad_enabled() and checkpointed_layers(parts.decoder)  # a re-run forward would attend across rows
+    ):
+        score_packed(parts.decoder, parts.model, tokens, attention_mask, sink, token_budget)
         return
     device = parts.head.weight.device
     for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):

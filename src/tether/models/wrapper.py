@@ -132,7 +132,8 @@ class TransformersWrapper(TensorDictModuleBase):
         chunk_size: tokens per chunk of the output-head computation.
         device: device the model runs on (default: where its parameters are).
         padding_side: side of the padding in padded outputs.
-        token_budget: most ``rows * longest_row`` tokens in one scoring forward pass.
+        token_budget: most tokens in one scoring forward pass (real tokens when packed,
+            ``rows * longest_row`` when right-padded; see ``score_tokens``).
         share_prefix: when rows share a prompt (GRPO groups), score each distinct prompt
             once and the responses on top of its cache (``tether.models.shared_prefix``).
         eos_token_id, pad_token_id: override the ids found on the tokenizer / model configs
