@@ -135,8 +135,6 @@ def attention_kernel(model: Any, name: str | None) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ transformers GGUF loading
-
-
 def clear_quantizer_marker(model: Any) -> None:
     """Remove the GGUF quantizer bookkeeping from a model whose weights are dense.
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tether._compat import attention_implementation, enable_gradient_checkpointing
-from tether.models import packing
-from tether.models.packing import ROW_ATTENTION, pack_rows, packed_kernel, plan_packed_passes, row_attention
+from tether.models.packing import ROW_ATTENTION, pack_rows, packed_kernel, row_attention
+from tether.models.score_plan import plan_micro_batches
 from tether.models.scoring import score_tokens
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 
@@ -47,8 +47,8 @@ def test_packed_passes_by_hand():
     """Lengths 5, 9, 3, 7 with a budget of 12, longest first: 9 (9 + 7 > 12), then 7 + 5 = 12,
     then 3. A budget of 4 gives every row longer than it a pass of its own."""
     lengths = torch.tensor([5, 9, 3, 7])
-    assert [p.tolist() for p in plan_packed_passes(lengths, 12)] == [[1], [3, 0], [2]]
-    assert [p.tolist() for p in plan_packed_passes(lengths, 4)] == [[1], [3], [0], [2]]
+    assert [p.tolist() for p in plan_micro_batches(lengths, 12, packed=True)] == [[1], [3, 0], [2]]
+    assert [p.tolist() for p in plan_micro_batches(lengths, 4, packed=True)] == [[1], [3], [0], [2]]
 
 
 def test_which_kernel_a_packed_pass_runs():
@@ -159,7 +159,7 @@ def test_the_kernel_is_restored_when_a_pass_fails(monkeypatch):
     with torch.no_grad(), pytest.raises(ValueError, match="boom"):
         score_tokens(model, tokens, mask)
     assert attention_implementation(model) == "sdpa"
-    assert packing.packing_supported(model)
+    assert packed_kernel(model) == ROW_ATTENTION
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,

@@ -18,8 +18,8 @@ does not implement sliding windows or logit soft-capping: models configured with
 and passes whose layers would re-run their forward under gradient checkpointing (after the
 switch is undone), keep the right-padded micro-batches of ``tether.models.scoring``.
 
-Passes are cut by ``plan_packed_passes``: rows longest first, at most ``token_budget`` real
-tokens per pass (a longer row gets a pass of its own).
+Passes are cut by ``score_plan.plan_micro_batches(packed=True)``: rows longest first, at most
+``token_budget`` real tokens per pass (a longer row gets a pass of its own).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tether._compat import attention_implementation, attention_kernel, register_attention, supports_attention_interface
-from tether.models.score_plan import row_spans
+from tether.models.score_plan import plan_micro_batches, row_spans
 from tether.models.score_sink import TokenSink
 
 # Attention implementations whose Hugging Face integration runs variable-length attention
@@ -60,11 +60,6 @@ def packed_kernel(model: nn.Module) -> str | None:
     if any(getattr(config, name, None) is not None for name in _UNSUPPORTED_CONFIG):
         return None
     return ROW_ATTENTION
-
-
-def packing_supported(model: nn.Module) -> bool:
-    """Whether ``model`` can score packed rows without attending across them (see ``packed_kernel``)."""
-    return packed_kernel(model) is not None
 
 
 @dataclass(frozen=True)
@@ -98,14 +93,13 @@ class PackedRows:
 def pack_rows(tokens: Tensor, attention_mask: Tensor, rows: Tensor | None = None) -> PackedRows:
     """Pack ``rows`` (default: all, in order) of ``tokens [B, T]`` (each row one contiguous run
     of valid tokens, either padding side); ``flat_index`` addresses the whole ``[B, T]`` grid."""
-    start, lengths = row_spans(attention_mask)
     rows = torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows
-    lengths = lengths[rows]
+    start, lengths = row_spans(attention_mask[rows])
     owner = torch.repeat_interleave(torch.arange(rows.numel(), device=tokens.device), lengths)
     bounds = torch.zeros(rows.numel() + 1, dtype=torch.long, device=tokens.device)
     bounds[1:] = lengths.cumsum(0)
     position = torch.arange(owner.numel(), device=tokens.device) - bounds[owner]
-    row, col = rows[owner], start[rows][owner] + position
+    row, col = rows[owner], start[owner] + position
     ids = tokens[row, col]
     scored = position < (lengths[owner] - 1)
     labels = torch.zeros_like(ids)
@@ -114,20 +108,6 @@ def pack_rows(tokens: Tensor, attention_mask: Tensor, rows: Tensor | None = None
     longest = int(lengths.max()) if rows.numel() else 0
     return PackedRows(ids[None], position[None], labels[None], scored[None], flat_index,
                       bounds.to(torch.int32), longest)
-
-
-def plan_packed_passes(lengths: Tensor, token_budget: int) -> list[Tensor]:
-    """Row indices per packed pass: longest first, at most ``token_budget`` tokens a pass."""
-    order = torch.argsort(lengths, descending=True, stable=True)
-    passes: list[list[int]] = []
-    total = token_budget + 1  # forces a first pass
-    for row, length in zip(order.tolist(), lengths[order].tolist()):
-        if total + length > token_budget:
-            passes.append([])
-            total = 0
-        passes[-1].append(row)
-        total += length
-    return [torch.tensor(p, dtype=torch.long, device=lengths.device) for p in passes]
 
 
 def row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -166,14 +146,14 @@ def row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
 register_attention(ROW_ATTENTION, row_attention)
 
 
-def score_packed(decoder: nn.Module, model: nn.Module, tokens: Tensor, attention_mask: Tensor, sink: TokenSink,
+def score_packed(decoder: nn.Module, kernel: str, tokens: Tensor, attention_mask: Tensor, sink: TokenSink,
                  token_budget: int) -> None:
-    """``score_tokens``'s hidden states from packed passes of ``decoder``, into ``sink`` (see the module doc)."""
+    """``score_tokens``'s hidden states from packed passes of ``decoder`` attending with ``kernel``
+    (``packed_kernel``'s answer), into ``sink`` (see the module doc)."""
     device = sink.head.weight.device
     tokens, attention_mask = tokens.to(device), attention_mask.to(device)
-    kernel = packed_kernel(model)
     _, lengths = row_spans(attention_mask)
-    for rows in plan_packed_passes(lengths, token_budget):
+    for rows in plan_micro_batches(lengths, token_budget, packed=True):
         packed = pack_rows(tokens, attention_mask, rows)
         if not packed.scored.any():
             continue  # rows of 0 or 1 token: nothing is predicted

@@ -40,20 +40,24 @@ def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     return start, lengths
 
 
-def plan_micro_batches(lengths: Tensor, token_budget: int) -> list[Tensor]:
-    """Group row indices, longest first, so each group's padded size fits the budget.
+def plan_micro_batches(lengths: Tensor, token_budget: int, *, packed: bool = False) -> list[Tensor]:
+    """Group row indices, longest first, so each group's size fits the budget.
 
-    A row longer than the budget gets a group of its own. Returns index tensors whose
-    concatenation is a permutation of ``range(B)``.
+    A group's size is ``rows * longest`` (right-padded) or, with ``packed``, the sum of its
+    lengths (rows end to end). A row longer than the budget gets a group of its own. Returns
+    index tensors whose concatenation is a permutation of ``range(B)``.
     """
     order = torch.argsort(lengths, descending=True, stable=True)
     sorted_lengths = lengths[order].tolist()
     groups: list[Tensor] = []
     begin = 0
     while begin < len(sorted_lengths):
-        longest = max(sorted_lengths[begin], 1)
-        rows = max(1, token_budget // longest)
-        end = min(len(sorted_lengths), begin + rows)
+        longest, end, used = max(sorted_lengths[begin], 1), begin + 1, sorted_lengths[begin]
+        while end < len(sorted_lengths):
+            size = used + sorted_lengths[end] if packed else (end - begin + 1) * longest
+            if size > token_budget:
+                break
+            used, end = used + sorted_lengths[end], end + 1
         groups.append(order[begin:end])
         begin = end
     return groups

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from tether._compat import checkpointed_layers
 from tether.models._limits import check_fits_model
-from tether.models.packing import packing_supported, score_packed
+from tether.models.packing import packed_kernel, score_packed
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
 from tether.models.score_sink import HeadHidden, ScoredTokens, TokenSink, check_where
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
@@ -195,10 +195,11 @@ def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, 
 
 
 def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int, sink: TokenSink) -> None:
-    if parts.decoder is not None and packing_supported(parts.model) and not (
+    kernel = None if parts.decoder is None else packed_kernel(parts.model)
+    if kernel is not None and not (
         torch.is_grad_enabled() and checkpointed_layers(parts.decoder)  # a re-run forward would attend across rows
     ):
-        score_packed(parts.decoder, parts.model, tokens, attention_mask, sink, token_budget)
+        score_packed(parts.decoder, kernel, tokens, attention_mask, sink, token_budget)
         return
     device = parts.head.weight.device
     for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
