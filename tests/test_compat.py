@@ -17,8 +17,8 @@ def test_installed_releases_are_in_the_tested_ranges():
 
 def test_a_release_outside_the_range_names_package_range_and_fix():
     assert version_problems({"transformers": "6.0.1", "torch": "2.13.0+cpu", "ray": "2.8.0"}) == [
-        "transformers 6.0.1 is outside the range tether is tested with (>=4.56,<6); install a release in "
-        "that range (pip install 'transformers>=4.56,<6') or expect breakage in tether._compat, which "
+        "transformers 6.0.1 is outside the range tether is tested with (>=4.56,<5.24); install a release in "
+        "that range (pip install 'transformers>=4.56,<5.24') or expect breakage in tether._compat, which "
         "holds every use of its internals.",
         "ray 2.8.0 is outside the range tether is tested with (>=2.9,<2.61); install a release in that range "
         "(pip install 'ray>=2.9,<2.61') or expect breakage in tether._compat, which holds every use of its "
