@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.helpers import make_tiny_model, make_tokenizer
+
+# CI replays the same examples every run, so a red build is reproducible by rerunning it;
+# HYPOTHESIS_PROFILE=explore draws fresh examples when hunting for new failures.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture
