@@ -187,7 +187,7 @@ def test_constant_constructor_validation(kl_coef):
         ((6.0,), {}, ValueError, "n_steps"),
         (([6.0, 6.0],), {"n_steps": 3}, ValueError, "n_steps"),
         ((6.0,), {"n_steps": 0}, ValueError, "n_steps"),
-        ((6.0,), {"n_steps": 2.5}, ValueError, "n_steps"),
+        ((6.0,), {"n_steps": 2.5}, TypeError, "n_steps: expected an int >= 1, got 2.5 of type float"),
         ((6.0,), {"n_steps": 60_000}, ValueError, "horizon"),
         (([6.0, math.nan],), {}, ValueError, "finite"),
         (("six",), {}, TypeError, "kl_values"),

@@ -243,18 +243,18 @@ def test_drives_every_given_component():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [
-        (dict(target=0.0), ValueError, "target must be > 0.0"),
-        (dict(brake_gain=-1.0), ValueError, "brake_gain must be > 0.0"),
-        (dict(release_gain=0.0), ValueError, "release_gain must be > 0.0"),
-        (dict(lookahead=-0.5), ValueError, "lookahead must be >= 0.0"),
-        (dict(smoothing=0.0), ValueError, "smoothing must be > 0.0"),
-        (dict(hold_growth=1.0), ValueError, "hold_growth must be > 1.0"),
-        (dict(smoothing=1.5), ValueError, r"smoothing must lie in \(0, 1\]"),
-        (dict(min_coef=0.0), ValueError, "min_coef must be > 0.0"),
-        (dict(max_coef=1e-5), ValueError, "max_coef must be >= 0.0001"),
-        (dict(max_coef=math.inf), ValueError, "max_coef must be finite"),
-        (dict(init_kl_coef=5e3), ValueError, r"init_kl_coef must lie in \[min_coef, max_coef\]"),
-        (dict(target="2"), TypeError, "target must be a real number"),
+        (dict(target=0.0), ValueError, "target: expected a finite number > 0"),
+        (dict(brake_gain=-1.0), ValueError, "brake_gain: expected a finite number > 0"),
+        (dict(release_gain=0.0), ValueError, "release_gain: expected a finite number > 0"),
+        (dict(lookahead=-0.5), ValueError, "lookahead: expected a finite number >= 0"),
+        (dict(smoothing=0.0), ValueError, r"smoothing: expected a finite number in \(0, 1\], got 0.0"),
+        (dict(hold_growth=1.0), ValueError, "hold_growth: expected a number > 1"),
+        (dict(smoothing=1.5), ValueError, r"smoothing: expected a finite number in \(0, 1\], got 1.5"),
+        (dict(min_coef=0.0), ValueError, "min_coef: expected a finite number > 0"),
+        (dict(max_coef=1e-5), ValueError, "max_coef: expected a finite number >= 0.0001"),
+        (dict(max_coef=math.inf), ValueError, "max_coef: expected a finite number >= 0.0001, got inf"),
+        (dict(init_kl_coef=5e3), ValueError, r"init_kl_coef: expected a finite number in \[0.0001, 1000\], got 5000.0"),
+        (dict(target="2"), TypeError, "target: expected a finite number > 0, got '2' of type str"),
     ],
 )
 def test_bad_arguments_name_themselves(kwargs, exc, match):
@@ -267,9 +267,9 @@ def test_bad_state_is_refused():
     state = ctl.state_dict()
     with pytest.raises(KeyError, match="missing \\['num_updates'\\]"):
         ctl.load_state_dict({k: v for k, v in state.items() if k != "num_updates"})
-    with pytest.raises(ValueError, match="num_updates must be an int >= 0"):
+    with pytest.raises(ValueError, match="num_updates: expected an int >= 0"):
         ctl.load_state_dict({**state, "num_updates": -1})
-    with pytest.raises(ValueError, match="last_kl must be finite"):
+    with pytest.raises(ValueError, match="last_kl: expected a finite number"):
         ctl.load_state_dict({**state, "last_kl": math.nan})
-    with pytest.raises(TypeError, match="trend must be a real number"):
+    with pytest.raises(TypeError, match="trend: expected a finite number, got .* of type"):
         ctl.load_state_dict({**state, "trend": None})

@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers import CHATML, CHATML_GENERATION, make_tokenizer
 from tether.models import ChatTokens, has_generation_block, tokenize_chats
+from tether.models.chat import CheckedChats, validate_chats
 
 CHAT = [
     {"role": "system", "content": "Answer briefly."},
@@ -181,6 +182,21 @@ def test_tokenizer_without_template_is_refused():
 def test_bad_chats_name_the_index(chats, error, pattern):
     with pytest.raises(error, match=pattern):
         tokenize_chats(make_tokenizer(CHATML), chats)
+
+
+def test_chats_are_checked_once_then_passed_on_as_checked():
+    """``validate_chats`` copies what it checked into ``CheckedChats``; handing those to the next
+    stage (the wrapper's read, then ``tokenize_chats``) returns them as they are, and mutating
+    the caller's original afterwards cannot reach them."""
+    original = [[dict(m) for m in CHAT]]
+    checked = validate_chats(original)
+    assert isinstance(checked, CheckedChats) and checked == [CHAT]
+    assert validate_chats(checked) is checked
+    original[0][0]["content"] = "changed"
+    assert checked[0][0]["content"] == "Answer briefly."
+    tokenizer = make_tokenizer(CHATML)
+    assert [row.tolist() for row in tokenize_chats(tokenizer, checked).input_ids] == [
+        row.tolist() for row in tokenize_chats(tokenizer, [CHAT]).input_ids]
 
 
 @pytest.mark.parametrize("key", ["chat_template", "add_generation_prompt", "tokenize"])

@@ -263,21 +263,21 @@ def test_adapter_disabled_reference_only_fixed():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "pattern"),
+    ("kwargs", "error", "pattern"),
     [
-        ({"mode": "hard"}, r"mode must be one of \['ema', 'fixed', 'sync'\], got 'hard'"),
-        ({"mode": "sync", "every": 0}, "every must be an int >= 1"),
-        ({"mode": "sync", "every": 1.5}, "every must be an int >= 1"),
-        ({"mode": "sync", "every": True}, "every must be an int >= 1"),
-        ({"mode": "ema"}, "mode 'ema' needs alpha"),
-        ({"mode": "ema", "alpha": 0.0}, r"alpha must lie in \(0, 1\]"),
-        ({"mode": "ema", "alpha": 1.5}, r"alpha must lie in \(0, 1\]"),
-        ({"mode": "ema", "alpha": float("nan")}, r"alpha must lie in \(0, 1\]"),
-        ({"mode": "sync", "alpha": 0.5}, "alpha applies only to mode 'ema'"),
+        ({"mode": "hard"}, ValueError, r"mode: expected one of 'fixed', 'sync', 'ema', got 'hard'"),
+        ({"mode": "sync", "every": 0}, ValueError, "every: expected an int >= 1, got 0"),
+        ({"mode": "sync", "every": 1.5}, TypeError, "every: expected an int >= 1, got 1.5 of type float"),
+        ({"mode": "sync", "every": True}, TypeError, "every: expected an int >= 1, got True of type bool"),
+        ({"mode": "ema"}, TypeError, r"alpha: expected a finite number in \(0, 1\], got None.*mode 'ema' needs alpha"),
+        ({"mode": "ema", "alpha": 0.0}, ValueError, r"alpha: expected a finite number in \(0, 1\], got 0.0"),
+        ({"mode": "ema", "alpha": 1.5}, ValueError, r"alpha: expected a finite number in \(0, 1\], got 1.5"),
+        ({"mode": "ema", "alpha": float("nan")}, ValueError, r"alpha: expected a finite number in \(0, 1\], got nan"),
+        ({"mode": "sync", "alpha": 0.5}, ValueError, "alpha applies only to mode 'ema'"),
     ],
 )
-def test_bad_schedule_is_refused(kwargs, pattern):
-    with pytest.raises(ValueError, match=pattern):
+def test_bad_schedule_is_refused(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
         ReferenceUpdater(Pair(1.0, 0.0), Pair(0.0, 0.0), **kwargs)
 
 
@@ -295,10 +295,10 @@ def test_mismatched_models_are_refused():
         ReferenceUpdater(Pair(1.0, 0.0).requires_grad_(False), Pair(0.0, 0.0), mode="sync")
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.0, True])
-def test_bad_step_index_is_refused(bad):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)])
+def test_bad_step_index_is_refused(bad, error):
     updater = ReferenceUpdater(Pair(1.0, 0.0), Pair(0.0, 0.0), mode="sync")
-    with pytest.raises(ValueError, match="step_index must be an int >= 1"):
+    with pytest.raises(error, match=f"step_index: expected an int >= 1, got {bad!r}"):
         updater.step(bad)
 
 

@@ -12,13 +12,13 @@ from tether.models.wrapper import TransformersWrapper
 from tests.helpers import make_tiny_model, make_tokenizer
 
 BAD = [
-    ({"temperature": math.inf}, ValueError, r"temperature must be finite and > 0, got inf"),
-    ({"temperature": "0.7"}, TypeError, r"temperature must be a Python int or float, got str"),
-    ({"top_p": 0.0}, ValueError, r"top_p must be None or a number in \(0, 1\].*got 0.0"),
-    ({"top_p": 1.5}, ValueError, r"top_p must be None or a number in \(0, 1\]"),
-    ({"max_new_tokens": -1}, ValueError, r"max_new_tokens must be an int >= 1.*got -1"),
-    ({"max_new_tokens": 2.5}, ValueError, r"max_new_tokens must be an int >= 1.*got 2.5"),
-    ({"top_k": -3}, ValueError, r"top_k must be None or an int >= 0; got -3"),
+    ({"temperature": math.inf}, ValueError, r"temperature: expected a finite number > 0, got inf"),
+    ({"temperature": "0.7"}, TypeError, r"temperature: expected a finite number > 0, got '0.7' of type str"),
+    ({"top_p": 0.0}, ValueError, r"top_p: expected a finite number in \(0, 1\], got 0.0"),
+    ({"top_p": 1.5}, ValueError, r"top_p: expected a finite number in \(0, 1\]"),
+    ({"max_new_tokens": -1}, ValueError, r"max_new_tokens: expected an int >= 1, got -1"),
+    ({"max_new_tokens": 2.5}, TypeError, r"max_new_tokens: expected an int >= 1, got 2.5 of type float"),
+    ({"top_k": -3}, ValueError, r"top_k: expected an int >= 0, got -3"),
 ]
 
 

@@ -222,13 +222,13 @@ def test_vectorised_compute_matches_a_loop_over_groups():
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
-        ({"grpo_size": 0}, ValueError, r"grpo_size must be an int >= 2"),
-        ({"grpo_size": 4, "mode": "ppo"}, ValueError, r"mode='ppo'.*'grpo'"),
-        ({"grpo_size": 4, "std": "sample"}, ValueError, r"std='sample'.*'unbiased'"),
-        ({"grpo_size": 1, "mode": "rloo"}, ValueError, r"grpo_size must be an int >= 2"),
+        ({"grpo_size": 0}, ValueError, r"grpo_size: expected an int >= 2"),
+        ({"grpo_size": 4, "mode": "ppo"}, ValueError, r"mode: expected one of .*'grpo'.*, got 'ppo'"),
+        ({"grpo_size": 4, "std": "sample"}, ValueError, r"std: expected one of .*'unbiased'.*, got 'sample'"),
+        ({"grpo_size": 1, "mode": "rloo"}, ValueError, r"grpo_size: expected an int >= 2"),
         # A group of one has no baseline: grpo and dr_grpo would emit 0 for ever.
-        ({"grpo_size": 1}, ValueError, r"grpo_size must be an int >= 2.*got 1.*no baseline"),
-        ({"grpo_size": 1, "mode": "dr_grpo"}, ValueError, r"grpo_size must be an int >= 2"),
+        ({"grpo_size": 1}, ValueError, r"grpo_size: expected an int >= 2, got 1.*no baseline"),
+        ({"grpo_size": 1, "mode": "dr_grpo"}, ValueError, r"grpo_size: expected an int >= 2"),
     ],
 )
 def test_bad_options(kwargs, error, pattern):

@@ -122,9 +122,9 @@ def test_integer_rewards_and_single_group_default():
 
 def test_advantage_errors():
     r = _t([1.0, 0.0])
-    with pytest.raises(ValueError, match=r"mode='ppo'.*'grpo', 'dr_grpo', 'rloo'"):
+    with pytest.raises(ValueError, match=r"mode: expected one of .*'grpo', 'dr_grpo', 'rloo'.*, got 'ppo'"):
         group_advantages(r, mode="ppo")
-    with pytest.raises(ValueError, match=r"std='sample'.*'unbiased', 'population'"):
+    with pytest.raises(ValueError, match=r"std: expected one of .*'unbiased', 'population'.*, got 'sample'"):
         group_advantages(r, std="sample")
     with pytest.raises(TypeError, match=r"group_ids must be an integer tensor"):
         group_advantages(r, torch.tensor([0.0, 1.0]))
@@ -188,7 +188,7 @@ def test_reward_to_go_gradient():
 
 def test_reward_to_go_errors():
     rewards, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"gamma must be a number in \[0, 1\]; got 1.5"):
+    with pytest.raises(ValueError, match=r"gamma: expected a finite number in \[0, 1\], got 1.5"):
         reward_to_go(rewards, mask, gamma=1.5)
     with pytest.raises(TypeError, match=r"mask must be a bool tensor"):
         reward_to_go(rewards, mask.long())

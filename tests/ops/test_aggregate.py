@@ -178,17 +178,17 @@ def test_denominator_accepts_numbers_and_empty_microbatch_gives_zero():
 
 def test_errors():
     values, mask = _spec_batch()
-    with pytest.raises(ValueError, match=r"mode='mean'.*'token-mean', 'seq-mean-token-mean'"):
+    with pytest.raises(ValueError, match=r"mode: expected one of .*'token-mean', 'seq-mean-token-mean'.*, got 'mean'"):
         aggregate(values, mask, "mean")
-    with pytest.raises(ValueError, match=r"mode='mean'.*supported"):
+    with pytest.raises(ValueError, match=r"mode: expected one of .*, got 'mean'"):
         aggregate_denominator(mask, "mean")
     with pytest.raises(ValueError, match=r"needs normalizer"):
         aggregate(values, mask, "seq-mean-token-sum-norm")
-    with pytest.raises(ValueError, match=r"normalizer must be > 0; got 0"):
+    with pytest.raises(ValueError, match=r"normalizer: expected a finite number > 0, got 0"):
         aggregate(values, mask, "seq-mean-token-sum-norm", normalizer=0)
-    with pytest.raises(TypeError, match=r"normalizer must be a positive number"):
+    with pytest.raises(TypeError, match=r"normalizer: expected a finite number > 0, got .* of type"):
         aggregate(values, mask, "seq-mean-token-sum-norm", normalizer="4")
-    with pytest.raises(ValueError, match=r"denominator must be > 0"):
+    with pytest.raises(ValueError, match=r"denominator: expected a finite number > 0"):
         aggregate(values, mask, denominator=-1)
     with pytest.raises(TypeError, match=r"mask must be a bool tensor.*torch.float64"):
         aggregate(values, mask.to(F64))

@@ -65,9 +65,9 @@ def test_mask_errors():
         mask_from_lengths(torch.tensor([1.0]), 3)
     with pytest.raises(ValueError, match=r"lengths must be 1-D"):
         mask_from_lengths(torch.tensor([[1]]), 3)
-    with pytest.raises(ValueError, match=r"padding_side='center'.*'right', 'left'"):
+    with pytest.raises(ValueError, match=r"padding_side: expected one of .*'right', 'left'.*, got 'center'"):
         mask_from_lengths(torch.tensor([1]), 3, padding_side="center")
-    with pytest.raises(ValueError, match=r"T must be an integer >= 0; got -1"):
+    with pytest.raises(ValueError, match=r"T: expected an int >= 0, got -1"):
         mask_from_lengths(torch.tensor([0]), -1)
     with pytest.raises(ValueError, match=r"prompt_lengths must be <= lengths"):
         response_mask(torch.tensor([3]), torch.tensor([2]), 4)
@@ -194,7 +194,7 @@ def test_layout_errors():
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"x must have B = 2 at dim 0 and T = 3 at dim 1 .*; got \(2, 4\)"):
         padded_to_nested(torch.zeros(2, 4), mask)
-    with pytest.raises(ValueError, match=r"ragged_dim must be an int in \[1, x.dim\(\) - 1\]; got 2"):
+    with pytest.raises(ValueError, match=r"ragged_dim: expected an int in \[1, \d+\], got 2"):
         padded_to_nested(torch.zeros(2, 3), mask, ragged_dim=2)
     with pytest.raises(TypeError, match=r"mask must be a bool tensor"):
         padded_to_nested(torch.zeros(2, 3), mask.long())
@@ -203,5 +203,5 @@ def test_layout_errors():
     nested = padded_to_nested(torch.zeros(2, 3), mask)
     with pytest.raises(ValueError, match=r"total_length=2 is shorter than the longest row \(3\)"):
         nested_to_padded(nested, total_length=2)
-    with pytest.raises(ValueError, match=r"padding_side='top'"):
+    with pytest.raises(ValueError, match=r"padding_side: expected one of .*, got 'top'"):
         nested_to_padded(nested, padding_side="top")

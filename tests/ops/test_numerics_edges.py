@@ -179,9 +179,9 @@ def test_aggregate_tensor_denominator_not_positive():
     assert math.isnan(aggregate(values, mask, denominator=torch.tensor(-3)).item())
     assert math.isnan(aggregate(values, ~mask, denominator=torch.tensor(-3)).item())
     assert aggregate(values, mask, denominator=torch.tensor(3)).item() == 2.0
-    with pytest.raises(ValueError, match=r"denominator must be > 0; got 0"):
+    with pytest.raises(ValueError, match=r"denominator: expected a finite number > 0, got 0"):
         aggregate(values, mask, denominator=0)
-    with pytest.raises(TypeError, match=r"denominator must be a one-element real tensor.*shape \(2,\)"):
+    with pytest.raises(TypeError, match=r"denominator: expected a one-element real tensor.*shape \(2,\)"):
         aggregate(values, mask, denominator=torch.tensor([1, 2]))
     with pytest.raises(TypeError, match=r"one-element real tensor.*torch.bool"):
         aggregate(values, mask, denominator=torch.tensor(True))

@@ -95,7 +95,7 @@ def test_the_local_cluster_is_bound_to_the_loopback():
 def test_a_second_start_is_refused_and_hosts_are_classified():
     with pytest.raises(RuntimeError, match="already connected to Ray"):
         start_local_cluster(1)
-    with pytest.raises(ValueError, match="num_cpus: expected a number > 0"):
+    with pytest.raises(ValueError, match="num_cpus: expected a finite number > 0, got 0"):
         start_local_cluster(0)
     assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "[::ffff:127.0.0.1]", "localhost"]))
     assert not any(map(is_loopback, ["*", "0.0.0.0", "[::]", "192.0.2.2", "fd00::2", "example.org"]))

@@ -143,9 +143,9 @@ def test_an_actor_that_cannot_be_placed_times_out_and_is_removed():
     while time.monotonic() < deadline and "tether-test-gpu" in ray.util.list_named_actors():
         time.sleep(0.1)
     assert "tether-test-gpu" not in ray.util.list_named_actors()
-    with pytest.raises(ValueError, match="timeout_s: expected a number of seconds > 0 and finite, got -1"):
+    with pytest.raises(ValueError, match="timeout_s: expected a finite number > 0, got -1"):
         RayRetrieveKL(ref_model_factory=reference_scorer, timeout_s=-1)
-    with pytest.raises(ValueError, match="ready_timeout_s: expected a number of seconds > 0 and finite, got nan"):
+    with pytest.raises(ValueError, match="ready_timeout_s: expected a finite number > 0, got nan"):
         RayKLRewardTransform(ref_model_factory=reference_scorer, ready_timeout_s=float("nan"))
 
 

@@ -46,22 +46,22 @@ def test_missing_eos_and_pad_are_errors(parts):
         RolloutFromModel(bare, bare, rm)
     with pytest.raises(ValueError, match="pad_token_id: none given and none found"):
         RolloutFromModel(bare, bare, rm, eos_token_id=258)
-    with pytest.raises(TypeError, match="eos_token_id: expected a non-negative int"):
+    with pytest.raises(TypeError, match="eos_token_id: expected an int >= 0"):
         RolloutFromModel(bare, bare, rm, eos_token_id="</s>", pad_token_id=0)
-    with pytest.raises(TypeError, match="pad_token_id: expected one non-negative int"):
+    with pytest.raises(TypeError, match="pad_token_id: expected an int >= 0"):
         RolloutFromModel(bare, bare, rm, eos_token_id=258, pad_token_id=[1, 2])
 
 
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"max_new_tokens": 0}, ValueError, "max_new_tokens: expected a positive int"),
-        ({"score_clip": 0.0}, ValueError, "score_clip: expected a number > 0"),
-        ({"temperature": 0.0}, ValueError, "temperature: expected a number > 0"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens: expected an int >= 1"),
+        ({"score_clip": 0.0}, ValueError, "score_clip: expected a number > 0, got 0.0"),
+        ({"temperature": 0.0}, ValueError, "temperature: expected a finite number > 0, got 0.0"),
         ({"temperature": float("inf")}, ValueError, "temperature: expected a finite number"),
-        ({"num_steps": 0}, ValueError, "num_steps: expected a positive int"),
-        ({"kl_coef": -0.1}, ValueError, "kl_coef: expected a number >= 0"),
-        ({"kl_coef": "0.1"}, TypeError, "kl_coef: expected a real number"),
+        ({"num_steps": 0}, ValueError, "num_steps: expected an int >= 1"),
+        ({"kl_coef": -0.1}, ValueError, "kl_coef: expected a finite number >= 0, got -0.1"),
+        ({"kl_coef": "0.1"}, TypeError, "kl_coef: expected a finite number >= 0, got '0.1' of type str"),
         ({"kl_scheduler": object()}, TypeError, "kl_scheduler: expected a KL controller"),
     ],
 )

@@ -67,7 +67,7 @@ def test_parse_hermes_calls_in_order_and_malformed():
 
 
 def test_unknown_tool_format_lists_choices():
-    with pytest.raises(ValueError, match=r"tool_format='json' is not supported; choose one of: 'hermes'"):
+    with pytest.raises(ValueError, match=r"tool_format: expected one of 'hermes'.*, got 'json'"):
         resolve_tool_format("json")
 
 
@@ -135,7 +135,7 @@ def test_registry_add_and_refuse():
     assert resolve_tools([echo])["echo"] is echo and "echo" not in TOOLS
     with pytest.raises(ValueError, match="'echo' is already registered"):
         register_tool(Tool("echo", lambda text: text, {"text": str}), registry)
-    with pytest.raises(ValueError, match=r"tools='nope' is not supported; choose one of: 'calculator'"):
+    with pytest.raises(ValueError, match=r"tools: expected one of 'calculator'.*, got 'nope'"):
         resolve_tools(["nope"])
     with pytest.raises(TypeError, match="wrap it in a list"):
         resolve_tools("calculator")

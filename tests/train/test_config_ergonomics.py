@@ -96,7 +96,7 @@ def test_choices_are_read_from_the_registries(monkeypatch):
         monkeypatch.setitem(table, "zz-new", object())
         extra = {"kl_mode": "reward"} if field == "kl_estimator" else {}  # loss mode needs k2/k3
         TrainConfig(**{field: "zz-new", **extra}).validate()
-        with pytest.raises(ValueError, match=rf"{field}='zz-missing' is not supported; choose one of: .*'zz-new'"):
+        with pytest.raises(ValueError, match=rf"{field}: expected one of .*'zz-new'.*, got 'zz-missing'"):
             TrainConfig(**{field: "zz-missing", **extra}).validate()
 
 
@@ -126,7 +126,7 @@ def test_cli_user_errors_are_one_line_with_status_2(tmp_path, capsys):
         (["train", *out, "lerning_rate=1e-3"], "unknown key 'lerning_rate'; did you mean 'learning_rate'?"),
         (["train", "--lerning-rate", "1e-3", *out], "unrecognized arguments: --lerning-rate; did you mean --learning-rate?"),
         (["train", "--fp16", *out], "fp16 (a TRL GRPOConfig name) has no tether equivalent"),
-        (["train", "--dtype", "float16", *out], "dtype='float16' is not supported; choose one of: 'float32', 'bfloat16'"),
+        (["train", "--dtype", "float16", *out], "dtype: expected one of 'float32', 'bfloat16'"),
         (["train", "--model", str(tmp_path / "no-dir"), *out], "no such directory; check the path"),
         (["train", "--model", "tiny", "--adapter", str(tmp_path), *out], "adapter: expected a directory holding a PEFT"),
     ]

@@ -159,7 +159,7 @@ def test_missing_files_suffixes_columns_and_prompt_types_are_named(tmp_path):
     (dict(eval_split=0.2), "eval_split: holds out rows of --dataset, but no dataset is given"),
     (dict(eval_dataset="e.jsonl"), "eval_dataset: holds out rows of --dataset"),
     (dict(prompt_format="text"), "prompt_format: 'text' applies to --dataset prompts"),
-    (dict(prompt_format="raw"), "prompt_format='raw' is not supported; choose one of: 'chat', 'text'."),
+    (dict(prompt_format="raw"), "prompt_format: expected one of 'chat', 'text', got 'raw'."),
     (dict(dataset="d.jsonl", reward_model="rm", eval_split=1.0), "eval_split: expected a fraction in [0, 1), got 1.0"),
     (dict(dataset="d.jsonl", reward_model="rm", eval_split=0.1, eval_dataset="e.jsonl"), "give one source of held-out rows"),
     (dict(dataset="d.jsonl", reward_model="rm", task="x.py"), "task and dataset: give one source of prompts"),

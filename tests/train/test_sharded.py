@@ -135,7 +135,7 @@ def test_sharded_config_refusals_name_the_key(overrides, fragment):
     assert any(fragment in problem for problem in config_problems(cfg))
     with pytest.raises(ValueError, match="invalid configuration"):
         cfg.validate()
-    assert config_problems(TrainConfig(nproc=0)) == ["nproc: expected >= 1 learner processes, got 0"]
+    assert config_problems(TrainConfig(nproc=0)) == ["nproc: expected an int >= 1, got 0. It counts the learner processes."]
     assert config_problems(TrainConfig(nproc=2, prompts_per_step=4, workers=2)) == []  # tests/ray/test_sharded_workers.py
 
 

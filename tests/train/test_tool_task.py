@@ -140,8 +140,8 @@ def test_zero_keeps_the_tasks_own_limits():
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("max_turns", -1, r"max_turns: expected >= 0, got -1"),
-    ("max_episode_tokens", -5, r"max_episode_tokens: expected >= 0, got -5"),
+    ("max_turns", -1, r"max_turns: expected an int >= 0, got -1"),
+    ("max_episode_tokens", -5, r"max_episode_tokens: expected an int >= 0, got -5"),
 ])
 def test_episode_limits_validated(tmp_path, key, value, match):
     with pytest.raises(ValueError, match=match):

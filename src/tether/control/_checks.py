@@ -9,24 +9,9 @@ from typing import Any
 
 import torch
 
+from tether.ops.checks import whole_number
 
-def real_number(name: str, value: Any, *, minimum: float | None = None, strict: bool = False,
-          allow_inf: bool = False) -> float:
-    """Validates a real-valued argument and returns it as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a real number; got {value!r} of type {type(value).__name__}. "
-            f"Pass a Python float, e.g. {name}=0.1."
-        )
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be finite; got {value}. Pass a finite float.")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        relation = ">" if strict else ">="
-        raise ValueError(
-            f"{name} must be {relation} {minimum}; got {value}. Pass a value {relation} {minimum}."
-        )
-    return value
+_N_STEPS_FIX = "Pass the number of sequences the KL was measured on (the batch size)."
 
 
 def control_targets(model: Any) -> tuple[Any, ...]:
@@ -55,15 +40,6 @@ def push_coef(targets: tuple[Any, ...], coef: float) -> None:
                 f"model.kl_coef of {type(target).__name__} is read-only; the controller needs "
                 f"to write it. Give that class a `kl_coef` setter."
             ) from err
-
-
-def positive_count(n_steps: Any) -> int:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral) or n_steps <= 0:
-        raise ValueError(
-            f"n_steps must be a positive int (the number of sequences the KL was measured on); "
-            f"got {n_steps!r}. Pass the batch size in sequences."
-        )
-    return int(n_steps)
 
 
 def mean_sequence_kl(kl_values: Any, n_steps: int | None) -> tuple[float, int]:
@@ -109,12 +85,12 @@ def mean_sequence_kl(kl_values: Any, n_steps: int | None) -> tuple[float, int]:
                 "n_steps is required when kl_values is a scalar mean; got None. Pass the "
                 "number of sequences that mean was taken over."
             )
-        count = positive_count(n_steps)
+        count = whole_number("n_steps", n_steps, low=1, fix=_N_STEPS_FIX)
     else:
         if values.numel() == 0:
             raise ValueError("kl_values is empty; expected at least one per-sequence KL.")
         count = values.numel()
-        if n_steps is not None and positive_count(n_steps) != count:
+        if n_steps is not None and whole_number("n_steps", n_steps, low=1, fix=_N_STEPS_FIX) != count:
             raise ValueError(
                 f"n_steps={n_steps} disagrees with len(kl_values)={count}; n_steps counts the "
                 f"sequences in kl_values. Omit n_steps when passing one KL per sequence."

@@ -34,8 +34,8 @@ from tether.control._checks import (
     control_targets,
     mean_sequence_kl,
     push_coef,
-    real_number,
 )
+from tether.ops.checks import real_number
 from tether.control.target import TargetKLController
 
 __all__ = [
@@ -74,7 +74,7 @@ class ConstantKLController:
     """
 
     def __init__(self, *, kl_coef: float, model: Any = None) -> None:
-        self._coef = real_number("kl_coef", kl_coef, minimum=0.0)
+        self._coef = real_number("kl_coef", kl_coef, low=0.0)
         self.models = control_targets(model)
         push_coef(self.models, self._coef)
 
@@ -98,7 +98,7 @@ class ConstantKLController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, ("kl_coef",), type(self).__name__)
-        self._coef = real_number("kl_coef", state["kl_coef"], minimum=0.0)
+        self._coef = real_number("kl_coef", state["kl_coef"], low=0.0)
         push_coef(self.models, self._coef)
 
     def __repr__(self) -> str:
@@ -145,17 +145,13 @@ class AdaptiveKLController:
 
     def _set_config(self, coef: Any, target: Any, horizon: Any, min_coef: Any,
                     max_coef: Any, coef_name: str) -> None:
-        target = real_number("target", target, minimum=0.0, strict=True)
-        horizon = real_number("horizon", horizon, minimum=0.0, strict=True)
-        min_coef = real_number("min_coef", min_coef, minimum=0.0)
+        target = real_number("target", target, low=0.0, low_open=True)
+        horizon = real_number("horizon", horizon, low=0.0, low_open=True)
+        min_coef = real_number("min_coef", min_coef, low=0.0)
         max_coef = real_number("max_coef", max_coef, allow_inf=True)
-        coef = real_number(coef_name, coef)
-        if not min_coef <= coef <= max_coef:
-            raise ValueError(
-                f"{coef_name} must lie in [min_coef, max_coef] = [{min_coef}, {max_coef}]; "
-                f"got {coef}. Choose bounds that contain the starting coefficient (a start "
-                f"of 0 can never grow: use a small positive value)."
-            )
+        coef = real_number(coef_name, coef, low=min_coef, high=max_coef,
+                           fix="Choose [min_coef, max_coef] to contain the starting coefficient (a start of 0 "
+                               "can never grow: use a small positive value).")
         self._coef, self.target, self.horizon = coef, target, horizon
         self.min_coef, self.max_coef = min_coef, max_coef
 

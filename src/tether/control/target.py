@@ -90,8 +90,8 @@ from tether.control._checks import (
     control_targets,
     mean_sequence_kl,
     push_coef,
-    real_number,
 )
+from tether.ops.checks import real_number, whole_number
 
 __all__ = ["TargetKLController"]
 
@@ -153,20 +153,14 @@ class TargetKLController:
 
     def _configure(self, config: dict[str, Any], coef: Any, coef_name: str) -> None:
         for name in ("target", "brake_gain", "release_gain", "max_rise", "max_fall", "min_coef"):
-            setattr(self, name, real_number(name, config[name], minimum=0.0, strict=True))
-        self.lookahead = real_number("lookahead", config["lookahead"], minimum=0.0)
-        self.hold_growth = real_number("hold_growth", config["hold_growth"], minimum=1.0, strict=True, allow_inf=True)
-        self.smoothing = real_number("smoothing", config["smoothing"], minimum=0.0, strict=True)
-        if self.smoothing > 1:
-            raise ValueError(f"smoothing must lie in (0, 1]; got {self.smoothing}. Pass 1 for no smoothing.")
-        self.max_coef = real_number("max_coef", config["max_coef"], minimum=self.min_coef)
-        coef = real_number(coef_name, coef)
-        if not self.min_coef <= coef <= self.max_coef:
-            raise ValueError(
-                f"{coef_name} must lie in [min_coef, max_coef] = [{self.min_coef}, "
-                f"{self.max_coef}]; got {coef}. Start inside the bounds or widen them."
-            )
-        self._coef = coef
+            setattr(self, name, real_number(name, config[name], low=0.0, low_open=True))
+        self.lookahead = real_number("lookahead", config["lookahead"], low=0.0)
+        self.hold_growth = real_number("hold_growth", config["hold_growth"], low=1.0, low_open=True, allow_inf=True)
+        self.smoothing = real_number("smoothing", config["smoothing"], low=0.0, low_open=True, high=1.0,
+                                     fix="Pass 1 for no smoothing.")
+        self.max_coef = real_number("max_coef", config["max_coef"], low=self.min_coef)
+        self._coef = real_number(coef_name, coef, low=self.min_coef, high=self.max_coef,
+                                 fix="Start inside [min_coef, max_coef] or widen them.")
 
     @property
     def kl_coef(self) -> float:
@@ -215,11 +209,7 @@ class TargetKLController:
         if last_kl is not None:
             last_kl = real_number("last_kl", last_kl)
         trend = real_number("trend", state["trend"])
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(
-                f"num_updates must be an int >= 0; got {count!r}. Pass a dict produced by "
-                f"TargetKLController.state_dict()."
-            )
+        whole_number("num_updates", count, low=0, fix="Pass a dict produced by TargetKLController.state_dict().")
         self._configure(state, state["kl_coef"], "kl_coef")
         self.last_kl, self.trend, self.num_updates = last_kl, trend, count
         push_coef(self.models, self._coef)

@@ -1,9 +1,7 @@
-"""Argument checks shared by the ``tether.llm`` components: coefficients, scorers, pairs."""
+"""Argument checks shared by the ``tether.llm`` components: masks, scorers, tokenizer pairs."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
@@ -30,21 +28,6 @@ def check_assistant_rows(assistant: torch.Tensor, source: str) -> None:
         "rows. Add the assistant reply to those chats, drop them from the batch, or pass "
         "assistant_only=False to score every token."
     )
-
-
-def check_coef(name: str, value: Any) -> float:
-    """A finite, non-negative KL coefficient as a Python float."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = float(value.detach())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} ({value!r}).")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"{name}: expected a finite coefficient >= 0, got {value}. A negative coefficient "
-            "would reward drifting away from the reference."
-        )
-    return value
 
 
 def check_padding_side(value: Any) -> str:

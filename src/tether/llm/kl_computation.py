@@ -22,7 +22,7 @@ from tensordict.utils import NestedKey
 from torch import Tensor
 
 from tether.llm.keys import REFERENCE_LOG_PROBS, SAMPLE_LOG_PROBS
-from tether.llm._checks import check_coef, check_estimator, check_padding_side
+from tether.llm._checks import check_estimator, check_padding_side
 from tether.llm._token_grid import (
     ASSISTANT_KEY,
     ATTENTION_KEY,
@@ -35,6 +35,7 @@ from tether.llm._token_grid import (
 )
 from tether.models.batch_io import get_entry, missing_key
 from tether.ops import kl_estimate, nested_to_padded
+from tether.ops.checks import kl_coefficient
 
 __all__ = ["KLComputation"]
 
@@ -129,7 +130,7 @@ class KLComputation(TensorDictModuleBase):
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
-        self._coeff = check_coef("kl_coef", value)
+        self._coeff = kl_coefficient("kl_coef", value)
 
     coeff = kl_coef  # the seed's keyword
 

@@ -73,14 +73,22 @@ def _template_of(tokenizer) -> str:
     return tokenizer.get_chat_template()
 
 
-def validate_chats(chats: Any, name: str = "chats") -> list[list[dict]]:
+class CheckedChats(list):
+    """Chats ``validate_chats`` has checked (copies of them): passing them on does not check them again."""
+
+
+def validate_chats(chats: Any, name: str = "chats") -> CheckedChats:
     """The one check of chat input: a list of chats, each a non-empty list of message dicts.
 
     Every entry point that takes chats (``chat_batch``, reading ``("history", ...)`` from a
     TensorDict, ``tokenize_chats``) calls this, so a fault gets the same exception type and
     message wherever it is found: ``TypeError`` for a wrong type, ``ValueError`` for an empty
-    chat, ``KeyError`` for a message without ``role`` or ``content``. Returns copies.
+    chat, ``KeyError`` for a message without ``role`` or ``content``. Returns copies, marked
+    as ``CheckedChats`` so that the stages after the entry (the wrapper reading a batch, then
+    tokenizing it) check each chat once.
     """
+    if isinstance(chats, CheckedChats):
+        return chats
     if isinstance(chats, (str, Mapping)) or not isinstance(chats, Sequence):
         raise TypeError(
             f"{name}: expected a list of chats (each a list of {{'role', 'content'}} dicts), "
@@ -111,7 +119,7 @@ def validate_chats(chats: Any, name: str = "chats") -> list[list[dict]]:
                         f"{name}[{k}][{j}][{key!r}]: expected a str, got {type(message[key]).__name__}."
                     )
         checked.append([dict(message) for message in chat])
-    return checked
+    return CheckedChats(checked)
 
 
 def _check_kwargs(tokenizer_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

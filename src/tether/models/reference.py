@@ -19,7 +19,6 @@ Three ways to hold the reference:
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -27,6 +26,8 @@ import torch
 from torch import nn
 
 from tether._compat import has_integrated_adapter, has_tuner_layers
+from tether.ops.checks import real_number, whole_number
+from tether.ops.registry import lookup
 
 
 def _check_dtype(dtype) -> None:
@@ -154,15 +155,11 @@ REFERENCE_UPDATES: dict[str, UpdateRule | None] = {"fixed": None, "sync": _sync,
 
 
 def _check_mode(mode: str, every: int, alpha: float | None) -> None:
-    if mode not in REFERENCE_UPDATES:
-        raise ValueError(f"mode must be one of {sorted(REFERENCE_UPDATES)}, got {mode!r}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an int >= 1 (steps between updates), got {every!r}")
+    lookup(REFERENCE_UPDATES, mode, "mode")
+    whole_number("every", every, low=1, fix="Pass the number of steps between updates.")
     if mode == "ema":
-        if alpha is None or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise ValueError(f"mode 'ema' needs alpha, a float in (0, 1]; got {alpha!r}")
-        if not (math.isfinite(alpha) and 0.0 < alpha <= 1.0):
-            raise ValueError(f"alpha must lie in (0, 1] (weight of the policy in the mix), got {alpha!r}")
+        real_number("alpha", alpha, low=0, low_open=True, high=1,
+                    fix="mode 'ema' needs alpha, the weight of the policy in the mix.")
     elif alpha is not None:
         raise ValueError(f"alpha applies only to mode 'ema', got alpha={alpha!r} with mode {mode!r}; drop it")
 
@@ -247,8 +244,7 @@ class ReferenceUpdater:
 
     def step(self, step_index: int) -> bool:
         """Call after optimiser step ``step_index`` (1, 2, ...); True when the reference moved."""
-        if isinstance(step_index, bool) or not isinstance(step_index, int) or step_index < 1:
-            raise ValueError(f"step_index must be an int >= 1 (optimiser steps done), got {step_index!r}")
+        whole_number("step_index", step_index, low=1, fix="Pass the number of optimiser steps done.")
         if step_index <= self.last_step:
             raise ValueError(
                 f"step_index must increase between calls: got {step_index} after {self.last_step}; "

@@ -27,7 +27,6 @@ import functools
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from numbers import Real
 from typing import Protocol
 
 import torch
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 from tether._compat import new_cache, select_cache_rows
 from tether.models._limits import check_fits_model
 from tether.models.score_plan import distinct_rows
+from tether.ops.checks import real_number, whole_number
 from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
 
 
@@ -87,19 +87,12 @@ def check_sampling_options(
     ``(0, 1]`` (0 would keep no token at all).
     """
     check_temperature(temperature)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(
-            f"max_new_tokens must be an int >= 1 (the response length limit); got {max_new_tokens!r}."
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be None or an int >= 0; got {top_k!r}. Use None to keep every token.")
-    if top_p is None:
-        return
-    if isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0.0 < top_p <= 1.0:
-        raise ValueError(
-            f"top_p must be None or a number in (0, 1] (the nucleus mass kept); got {top_p!r}. "
-            "Use None or 1.0 to keep every token."
-        )
+    whole_number("max_new_tokens", max_new_tokens, low=1, fix="It is the response length limit.")
+    if top_k is not None:
+        whole_number("top_k", top_k, low=0, fix="Use None to keep every token.")
+    if top_p is not None:
+        real_number("top_p", top_p, low=0, low_open=True, high=1,
+                    fix="It is the nucleus mass kept; use None or 1.0 to keep every token.")
 
 
 def check_prompts(prompt_ids: object, prompt_mask: object) -> Tensor:

@@ -38,6 +38,7 @@ from tether.models.score_sink import HeadHidden, ScoredTokens, TokenSink, check_
 from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
 from tether.ops import TokenStats, token_entropy, token_logprobs
 from tether.ops._vocab_checks import check_token_ids
+from tether.ops.checks import whole_number
 
 # Most ``rows * longest_row`` tokens per forward pass. Measured on the embedded model on CPU
 # (benchmarks/scoring.py): 1024 scores mixed-length chats about 20 % faster than 4096, which
@@ -171,8 +172,7 @@ def _check_inputs(model: nn.Module, tokens: Tensor, attention_mask: Tensor, toke
             f"tokens/attention_mask: expected two [B, T] tensors of the same shape, got "
             f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}."
         )
-    if token_budget < 1:
-        raise ValueError(f"token_budget: expected a positive int, got {token_budget}.")
+    whole_number("token_budget", token_budget, low=1, fix="It caps the tokens of one forward pass.")
     check_token_ids("tokens", tokens)
     check_where(where, tokens)
     check_fits_model(model, tokens, attention_mask)

@@ -9,19 +9,20 @@ tether wrapper fell back to the smallest eos id).
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 from torch import nn
+
+from tether.ops.checks import whole_number
 
 __all__ = ["resolve_eos_ids", "resolve_pad_id"]
 
 
 def _as_ids(name: str, value: Any) -> tuple[int, ...]:
     values = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
-    if not values or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 for v in values):
-        raise TypeError(f"{name}: expected a non-negative int or a non-empty list of them, got {value!r}.")
-    return tuple(sorted({int(v) for v in values}))
+    if not values:
+        raise TypeError(f"{name}: expected an int >= 0 or a non-empty list of them, got {value!r}.")
+    return tuple(sorted({whole_number(name, v, low=0, fix="Pass a token id or a list of them.") for v in values}))
 
 
 def _sources(model: nn.Module, tokenizer: Any) -> tuple[Any, Any, Any]:
@@ -51,9 +52,7 @@ def resolve_eos_ids(eos_token_id: Any, model: nn.Module, tokenizer: Any, *, owne
 
 
 def _one_id(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise TypeError(f"{name}: expected one non-negative int, got {value!r}.")
-    return int(value)
+    return whole_number(name, value, low=0, fix="Pass one token id.")
 
 
 def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any, *, owner: str = "RolloutFromModel") -> int:

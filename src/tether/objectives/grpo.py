@@ -26,9 +26,7 @@ departs from the paper and from TorchRL's ``GRPOLoss`` (the seed), and why:
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
-from numbers import Real
 from typing import Any, Callable
 
 import torch
@@ -40,6 +38,7 @@ from tether.models.score_sink import HeadHidden
 from tether.models.step_record import StepRecord
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
 from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
+from tether.ops.checks import real_number, whole_number
 from tether.ops.registry import lookup
 from tether.ops import (
     TokenStats,
@@ -71,10 +70,7 @@ _AGGREGATION_ALIASES = {"token_mean": "token-mean", "prompt_mean": "seq-mean-tok
 def _coefficient(name: str, value: Any, *, optional: bool) -> float | None:
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
-        allowed = "None or a finite number >= 0" if optional else "a finite number >= 0"
-        raise ValueError(f"{name} must be {allowed}; got {value!r}.")
-    return float(value)
+    return real_number(name, value, low=0, fix="Pass None to leave the term out." if optional else "")
 
 
 class GRPOLoss(nn.Module):
@@ -158,10 +154,8 @@ class GRPOLoss(nn.Module):
             )
         if not isinstance(entropy_bonus, bool):
             raise TypeError(f"entropy_bonus must be a bool; got {type(entropy_bonus).__name__}.")
-        if isinstance(samples_mc_entropy, bool) or not isinstance(samples_mc_entropy, int) or samples_mc_entropy < 1:
-            raise ValueError(f"samples_mc_entropy must be an int >= 1; got {samples_mc_entropy!r}.")
-        if isinstance(entropy_coeff, bool) or not isinstance(entropy_coeff, Real) or not math.isfinite(entropy_coeff):
-            raise ValueError(f"entropy_coeff must be a finite number; got {entropy_coeff!r}.")
+        whole_number("samples_mc_entropy", samples_mc_entropy, low=1)
+        real_number("entropy_coeff", entropy_coeff)
         lookup(RATIO_LEVELS, ratio_level, "ratio_level")
         self.actor_network = actor_network
         self.clip_epsilon = clip_epsilon

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from tether.models.batch_io import fetch, has_key
 from tether.objectives.group_advantage import check_advantage_options, mc_group_advantages
+from tether.ops.checks import whole_number
 from tether.ops import nested_to_padded, padded_to_nested, ragged_dim_of
 
 _LOG = logging.getLogger(__name__)
@@ -127,11 +128,9 @@ class MCAdvantage(nn.Module):
         mask_key: NestedKey = ("masks", "all_assistant_mask"),
     ) -> None:
         super().__init__()
-        if isinstance(grpo_size, bool) or not isinstance(grpo_size, int) or grpo_size < 2:
-            raise ValueError(
-                f"grpo_size must be an int >= 2 (trajectories per prompt); got {grpo_size!r}. A group "
-                "of one has no baseline: its advantage is 0 in every mode, so nothing would be learnt."
-            )
+        whole_number("grpo_size", grpo_size, low=2,
+                     fix="It counts the trajectories per prompt; a group of one has no baseline (its "
+                         "advantage is 0 in every mode), so nothing would be learnt.")
         check_advantage_options(mode, std)
         self.grpo_size = grpo_size
         self.prompt_key = prompt_key

@@ -8,11 +8,12 @@ naming the argument, what was expected, what came, and how to fix it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from tether.ops.checks import real_number, whole_number
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -28,35 +29,17 @@ def chunk_bounds(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
 
 def check_temperature(temperature: object) -> float:
     """Return ``temperature`` as a float after checking it is a finite number > 0."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(
-            f"temperature must be a Python int or float, got {type(temperature).__name__}; "
-            "pass the sampling temperature as a number (a tensor would force a host sync)"
-        )
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(
-            f"temperature must be finite and > 0, got {temperature}; pass the temperature "
-            "the samples were drawn with (1.0 for the plain softmax)"
-        )
-    return float(temperature)
+    return real_number("temperature", temperature, low=0, low_open=True,
+                       fix="Pass the temperature the samples were drawn with (1.0 for the plain softmax) as a "
+                           "Python number (a tensor would force a host sync).")
 
 
 def check_chunk_size(chunk_size: object, *, allow_none: bool) -> int | None:
     """Return ``chunk_size`` after checking it is a positive int (or None where allowed)."""
     if chunk_size is None and allow_none:
         return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        expected = "a positive int or None" if allow_none else "a positive int"
-        raise TypeError(
-            f"chunk_size must be {expected}, got {type(chunk_size).__name__}; "
-            "pass the number of tokens to process per chunk, e.g. 1024"
-        )
-    if chunk_size <= 0:
-        raise ValueError(
-            f"chunk_size must be > 0, got {chunk_size}; pass the number of tokens per "
-            "chunk, e.g. 1024"
-        )
-    return chunk_size
+    return whole_number("chunk_size", chunk_size, low=1,
+                        fix="Pass the number of tokens per chunk, e.g. 1024" + (", or None." if allow_none else "."))
 
 
 def _check_float_tensor(name: str, value: object) -> Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from tether.ops._scaling import power_of_two_scale
+from tether.ops.checks import real_number
 from tether.ops.registry import lookup
 
 
@@ -207,8 +208,7 @@ def reward_to_go(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor
             f"rewards must be [B, T] with the mask's shape {tuple(mask.shape)}; got {got}. "
             "Squeeze a trailing reward dimension of [B, T, 1] first."
         )
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be a number in [0, 1]; got {gamma!r}.")
+    real_number("gamma", gamma, low=0, high=1)
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.get_default_dtype())
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)

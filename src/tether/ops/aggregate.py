@@ -23,7 +23,6 @@ per-micro-batch means do not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Real
 from typing import Callable
 
 import torch
@@ -31,6 +30,7 @@ from torch import Tensor
 
 from tether.ops._scaling import power_of_two_scale
 from tether.ops._vocab_checks import check_same_device
+from tether.ops.checks import real_number
 from tether.ops.registry import lookup
 
 
@@ -81,14 +81,11 @@ def _check_positive(name: str, value: Tensor | float | None) -> None:
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise TypeError(
-                f"{name} must be a one-element real tensor or a number; got a {value.dtype} "
+                f"{name}: expected a one-element real tensor or a number, got a {value.dtype} "
                 f"tensor of shape {tuple(value.shape)}. Pass aggregate_denominator(mask, mode)."
             )
         return
-    if not isinstance(value, Real) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a positive number or a tensor; got {type(value).__name__}.")
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0; got {value}. Pass the positive count or length it stands for.")
+    real_number(name, value, low=0, low_open=True, fix="Pass the positive count or length it stands for.")
 
 
 def aggregate_denominator(mask: Tensor, mode: str) -> Tensor:

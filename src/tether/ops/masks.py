@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from tether.ops.checks import whole_number
 from tether.ops.registry import lookup
 
 
@@ -70,8 +71,7 @@ def _check_lengths(name: str, lengths: Tensor, total: int) -> None:
 
 
 def _check_total(total: int) -> None:
-    if isinstance(total, bool) or not isinstance(total, Integral) or total < 0:
-        raise ValueError(f"T must be an integer >= 0; got {total!r}.")
+    whole_number("T", total, low=0)
 
 
 def _window(start: Tensor, stop: Tensor, total: int) -> Tensor:
@@ -187,8 +187,8 @@ def padded_to_nested(x: Tensor, mask: Tensor, *, ragged_dim: int = 1) -> Tensor:
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
         raise TypeError("mask must be a bool tensor [B, T]; use mask.bool().")
     dims = x.dim() if isinstance(x, Tensor) else 0
-    if isinstance(ragged_dim, bool) or not isinstance(ragged_dim, Integral) or not 1 <= ragged_dim < max(dims, 2):
-        raise ValueError(f"ragged_dim must be an int in [1, x.dim() - 1]; got {ragged_dim!r} for {dims} dims.")
+    whole_number("ragged_dim", ragged_dim, low=1, high=max(dims, 2) - 1,
+                 fix=f"x has {dims} dims; name one after the batch dim (at most x.dim() - 1).")
     if dims < 2 or (x.shape[0], x.shape[ragged_dim]) != tuple(mask.shape):
         got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
         raise ValueError(

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tether.ops.checks import real_number
 from tether.ops.registry import lookup
 
 
@@ -50,24 +51,15 @@ class PolicyLoss:
 def _clip_bounds(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]:
     pair = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon, clip_epsilon)
     if len(pair) != 2 or not all(isinstance(v, Real) and not isinstance(v, bool) for v in pair):
-        raise TypeError(
-            f"clip_epsilon must be a number or a (low, high) pair of numbers; got {clip_epsilon!r}."
-        )
-    low, high = float(pair[0]), float(pair[1])
-    if not 0.0 <= low < 1.0:
-        raise ValueError(f"clip_epsilon low must be in [0, 1) so that 1 - low > 0; got {low}.")
-    if not (high >= 0.0 and math.isfinite(high)):
-        raise ValueError(f"clip_epsilon high must be a finite number >= 0; got {high}.")
-    return low, high
+        raise TypeError(f"clip_epsilon: expected a number or a (low, high) pair of numbers, got {clip_epsilon!r}.")
+    low = real_number("clip_epsilon low", pair[0], low=0, high=1, high_open=True, fix="1 - low must stay > 0.")
+    return low, real_number("clip_epsilon high", pair[1], low=0)
 
 
 def _check_dual_clip(dual_clip: float | None) -> None:
     if dual_clip is None:
         return
-    if isinstance(dual_clip, bool) or not isinstance(dual_clip, Real):
-        raise TypeError(f"dual_clip must be None or a number > 1; got {type(dual_clip).__name__}.")
-    if not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020 use 3); got {dual_clip}. Use None to disable.")
+    real_number("dual_clip", dual_clip, low=1, low_open=True, fix="Ye et al. (2020) use 3; pass None to disable it.")
 
 
 def _check_advantages(log_ratio: Tensor, advantages: Tensor) -> None:
@@ -201,8 +193,7 @@ def importance_weights(
         loss by them.
     """
     weigh = lookup(IMPORTANCE_WEIGHT_MODES, mode, "mode")
-    if isinstance(cap, bool) or not isinstance(cap, Real) or not cap > 0:
-        raise ValueError(f"cap must be a number > 0; got {cap!r}.")
+    real_number("cap", cap, low=0, low_open=True)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         raise TypeError("mask must be a bool tensor [B, T]; use mask.bool().")
     for name, value in (("trainer_logp", trainer_logp), ("sampler_logp", sampler_logp)):

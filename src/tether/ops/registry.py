@@ -3,7 +3,8 @@
 Every variant family (KL estimators, aggregation modes, advantage modes, importance-weight
 modes, padding sides, ratio levels, KL controllers, config choices) is a plain ``dict`` from
 name to implementation. ``lookup`` is the only way code reads one by a user-given name, so a
-typo anywhere gets the same message: the argument, what came, and the names to choose from.
+typo anywhere gets the same message, in the words of ``tether.ops.checks``: the argument, the
+names to choose from, and what came.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ T = TypeVar("T")
 def choice_error(argument: str, value: object, choices: Iterable[Hashable]) -> ValueError:
     """The ``ValueError`` for ``argument=value`` not being one of ``choices``."""
     supported = ", ".join(repr(name) for name in choices)
-    return ValueError(f"{argument}={value!r} is not supported; choose one of: {supported}.")
+    return ValueError(f"{argument}: expected one of {supported}, got {value!r}.")
 
 
 def lookup(table: Mapping[str, T], name: object, argument: str) -> T:

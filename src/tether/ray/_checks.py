@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tether.ops.checks import whole_number
 from tether.llm.retrieve_kl import resolve_reference
 
 __all__ = ["check_batch", "check_group", "check_model_args", "check_token_range"]
@@ -51,12 +52,9 @@ def check_group(group: Any, group_rows: Any, rows: int) -> None:
             f"group={group!r}, group_rows={group_rows!r}: expected both or neither (the group's name "
             "and the total rows of its requests)."
         )
-    if group_rows is not None and (isinstance(group_rows, bool) or not isinstance(group_rows, int)
-                                   or group_rows < rows):
-        raise ValueError(
-            f"group_rows: expected an int >= this request's {rows} rows (the total of the group), "
-            f"got {group_rows!r}."
-        )
+    if group_rows is not None:
+        whole_number("group_rows", group_rows, low=rows,
+                     fix=f"It is the total rows of the group's requests, at least this request's {rows}.")
 
 
 def check_batch(tokens: Any, mask: Any) -> None:

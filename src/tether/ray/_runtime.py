@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import math
-import numbers
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from tether._compat import ray_cluster_mode_off, ray_dial_address
+from tether.ops.checks import real_number
 
 try:
     import ray
@@ -135,9 +134,7 @@ def start_local_cluster(num_cpus: Any) -> None:
     No dashboard. Raises ``RuntimeError`` when this process is already connected to Ray, or
     when the cluster came up on another address (it is shut down again first).
     """
-    cpus = _check_amount("num_cpus", num_cpus)
-    if cpus <= 0:
-        raise ValueError(f"num_cpus: expected a number > 0 for a local cluster, got {num_cpus!r}.")
+    cpus = real_number("num_cpus", num_cpus, low=0, low_open=True, fix="A local cluster needs at least part of a CPU.")
     if ray.is_initialized():
         raise RuntimeError(
             "start_local_cluster: this process is already connected to Ray; use that connection, "
@@ -191,9 +188,7 @@ def get_or_create_actor(
 
 
 def _check_amount(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}: expected a finite number >= 0 of Ray resources, got {value!r}.")
-    return float(value)
+    return real_number(name, value, low=0, fix="Pass the amount of this Ray resource the actor holds.")
 
 
 def actor_resources(num_cpus: Any, num_gpus: Any) -> dict[str, float]:
@@ -207,9 +202,7 @@ def actor_resources(num_cpus: Any, num_gpus: Any) -> dict[str, float]:
 
 def check_seconds(name: str, value: Any) -> float:
     """A finite duration in seconds, > 0 (checked before any actor is created, so a typo leaks none)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise ValueError(f"{name}: expected a number of seconds > 0 and finite, got {value!r}.")
-    return float(value)
+    return real_number(name, value, low=0, low_open=True, fix="Pass a duration in seconds.")
 
 
 def get_within(refs: Any, *, what: str, timeout_s: float, fix: str | Callable[[], str],

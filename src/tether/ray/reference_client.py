@@ -25,6 +25,7 @@ import torch
 from ray.exceptions import RayActorError
 from torch import Tensor
 
+from tether.ops.checks import real_number, whole_number
 from tether.ray._checks import check_batch, check_group
 from tether.ray._runtime import check_seconds, get_within, needs_ray
 
@@ -141,10 +142,8 @@ class ReferenceClient:
 
     def __init__(self, actor: Any, *, device: torch.device | str | None = None, max_attempts: int = 5,
                  retry_delay_s: float = 0.5, timeout_s: float = 600.0) -> None:
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"max_attempts: expected an int >= 1, got {max_attempts!r}.")
-        if not retry_delay_s >= 0:
-            raise ValueError(f"retry_delay_s: expected a number >= 0, got {retry_delay_s!r}.")
+        whole_number("max_attempts", max_attempts, low=1)
+        real_number("retry_delay_s", retry_delay_s, low=0)
         self.actor = actor
         self.device = torch.device(device) if device is not None else None
         self.max_attempts = max_attempts

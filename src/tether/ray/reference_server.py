@@ -33,6 +33,7 @@ from tether.llm._checks import vocab_size
 from tether.llm.retrieve_kl import resolve_reference
 from tether.models import TransformersWrapper
 from tether.models.weights import load_named
+from tether.ops.checks import real_number, whole_number
 from tether.ray._checks import check_batch, check_group, check_token_range
 from tether.ray._packing import pack_rows, unpack_rows
 from tether.ray._runtime import place_scorer
@@ -53,12 +54,10 @@ class BatchLimits:
     max_batch_tokens: int | None = None  # rows * longest row of the packed grid
 
     def __post_init__(self) -> None:
-        if not self.max_wait_ms >= 0:
-            raise ValueError(f"max_wait_ms: expected a number >= 0, got {self.max_wait_ms!r}.")
+        real_number("max_wait_ms", self.max_wait_ms, low=0)
         for name in ("max_batch_rows", "max_batch_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}: expected an int >= 1 or None (no limit), got {value!r}.")
+            if getattr(self, name) is not None:
+                whole_number(name, getattr(self, name), low=1, fix="Pass None for no limit.")
 
 
 @dataclass(frozen=True)

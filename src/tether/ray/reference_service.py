@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from tether.models import TransformersWrapper
+from tether.ops.checks import whole_number
 from tether.ray._checks import check_model_args
 from tether.ray._runtime import (
     actor_resources,
@@ -93,10 +94,8 @@ class ReferenceService:
         check_model_args(ref_model, ref_model_factory)
         limits = BatchLimits(max_wait_ms, max_batch_rows, max_batch_tokens)
         for name, value in (("max_restarts", max_restarts), ("max_task_retries", max_task_retries)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-                raise ValueError(f"{name}: expected an int >= -1 (-1: without limit), got {value!r}.")
-        if isinstance(answer_cache, bool) or not isinstance(answer_cache, int) or answer_cache < 0:
-            raise ValueError(f"answer_cache: expected an int >= 0, got {answer_cache!r}.")
+            whole_number(name, value, low=-1, fix="-1 means without limit.")
+        whole_number("answer_cache", answer_cache, low=0)
         check_seconds("ready_timeout_s", ready_timeout_s)
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         resources = actor_resources(num_cpus, num_gpus)

@@ -46,6 +46,7 @@ from tether.llm.keys import REFERENCE_LOG_PROBS
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.batch_io import read_objects, write_objects
 from tether.models.weights import load_named
+from tether.ops.checks import whole_number
 from tether.ray._runtime import (
     actor_resources,
     check_seconds,
@@ -242,10 +243,8 @@ class RolloutPool:
         self.service = service
         self.owns_ray = owns_ray
         require_ray(type(self).__name__)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers: expected an int >= 1, got {num_workers!r}.")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}.")
+        whole_number("num_workers", num_workers, low=1)
+        whole_number("group_size", group_size, low=1)
         check_seconds("ready_timeout_s", ready_timeout_s)
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         resources = actor_resources(num_cpus, 0)

@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_generated", "per_step", "positive_int", "real"]
-
-
-def positive_int(name: str, value: Any) -> int:
-    """``value`` as an int >= 1, or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}.")
-    return int(value)
-
-
-def real(name: str, value: Any, *, strict: bool, allow_inf: bool = False) -> float:
-    """``value`` as a float >= 0 (> 0 if ``strict``; finite unless ``allow_inf``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {value!r} of type {type(value).__name__}.")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name}: expected a finite number, got {value}.")
-    if value < 0 or (strict and value == 0):
-        raise ValueError(f"{name}: expected a number {'>' if strict else '>='} 0, got {value}.")
-    return value
+__all__ = ["check_generated", "per_step"]
 
 
 def check_generated(generated: Any, size: int, width: int) -> None:

@@ -41,7 +41,8 @@ from torch import Tensor, nn
 
 from tether.models.sampling import sample_responses
 from tether.models.scoring import score_tokens
-from tether.rollout._checks import check_generated, per_step, positive_int, real
+from tether.ops.checks import kl_coefficient, real_number, whole_number
+from tether.rollout._checks import check_generated, per_step
 from tether.rollout.prompts import PromptBatch
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.rollout.steps import EpisodeEnds, StepViews, episode_ends, stepwise_views
@@ -138,11 +139,11 @@ class RolloutFromModel:
         self.ref_model = ref_model
         self.reward_model = reward_model
         self.kl_coef = kl_coef
-        self.max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
-        self.score_clip = real("score_clip", score_clip, strict=True, allow_inf=True)
-        self.temperature = real("temperature", temperature, strict=True)
+        self.max_new_tokens = whole_number("max_new_tokens", max_new_tokens, low=1)
+        self.score_clip = real_number("score_clip", score_clip, low=0, low_open=True, allow_inf=True)
+        self.temperature = real_number("temperature", temperature, low=0, low_open=True)
         self.kl_scheduler = kl_scheduler
-        self.num_steps = None if num_steps is None else positive_int("num_steps", num_steps)
+        self.num_steps = None if num_steps is None else whole_number("num_steps", num_steps, low=1)
         self.eos_token_ids = resolve_eos_ids(eos_token_id, model, tokenizer)
         self.pad_token_id = resolve_pad_id(pad_token_id, model, tokenizer)
         self.generator = generator
@@ -158,7 +159,7 @@ class RolloutFromModel:
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
-        self._kl_coef = real("kl_coef", value, strict=False)
+        self._kl_coef = kl_coefficient("kl_coef", value)
 
     # ------------------------------------------------------------------ rollouts
     @torch.no_grad()

@@ -43,7 +43,7 @@ from tether.models import TransformersWrapper
 from tether.models.batch_io import read_chats, write_objects, write_ragged
 from tether.models.chat import render_chat_ids
 from tether.models.sampling import sample_responses
-from tether.rollout._checks import positive_int
+from tether.ops.checks import whole_number
 from tether.rollout.tool_calls import ParsedCall, resolve_tool_format
 from tether.rollout.tools import Tool, ToolResult, resolve_tools, run_tool_call
 
@@ -120,8 +120,8 @@ class MultiTurnRollout(TensorDictModuleBase):
         self.policy = policy
         self.tools = resolve_tools(tools)
         self.parse = resolve_tool_format(tool_format)
-        self.max_turns = positive_int("max_turns", max_turns)
-        self.max_tokens = None if max_tokens is None else positive_int("max_tokens", max_tokens)
+        self.max_turns = whole_number("max_turns", max_turns, low=1)
+        self.max_tokens = None if max_tokens is None else whole_number("max_tokens", max_tokens, low=1)
         self.tool_role = tool_role
         self.tokenizer_kwargs = dict(tokenizer_kwargs or {})
         self.in_keys = [("history", "prompt")]

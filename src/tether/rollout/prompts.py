@@ -17,11 +17,11 @@ or eos id, so prompts may contain the eos token (chat templates do).
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from tensordict import tensorclass
 from torch import Tensor
+
+from tether.ops.checks import whole_number
 
 __all__ = ["LABEL_IGNORE_INDEX", "PromptBatch"]
 
@@ -185,8 +185,7 @@ class PromptBatch:
             A ``PromptBatch`` of the same shape with ``attention_mask`` True exactly on the
             prompt and ``labels`` None.
         """
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral):
-            raise TypeError(f"pad_token_id: expected an int, got {pad_token_id!r}.")
+        whole_number("pad_token_id", pad_token_id, low=0)
         positions = torch.arange(self.input_ids.shape[-1], device=self.input_ids.device)
         prompt = positions < self.prompt_rindex[..., None]
         return type(self)(

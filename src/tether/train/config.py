@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections import ChainMap
 import warnings
 from collections.abc import Collection, Mapping
@@ -19,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from tether.ops.checks import problems, real_number, whole_number
 from tether.ops.registry import lookup
 from tether.train.trl_names import TRL_NAMES, TRLNameNote, translate
 
@@ -167,26 +167,11 @@ class TrainConfig:
             if not ok:
                 p.append(msg)
 
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size",
-                     "eval_max_new_tokens", "kl_horizon", "reference_every"):
-            need(getattr(self, name) >= 1, f"{name}: expected >= 1, got {getattr(self, name)}")
-        need(self.group_size >= 2, f"group_size: expected >= 2 (a group of one has no baseline), got {self.group_size}")
-        for f in fields(self):  # nan and inf pass every comparison below that they should fail
-            value = getattr(self, f.name)
-            need(not isinstance(value, float) or math.isfinite(value), f"{f.name}: expected a finite number, got {value}")
-        need(self.keep_checkpoints >= 1, f"keep_checkpoints: expected >= 1, got {self.keep_checkpoints}")
-        for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
-                     "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
-                     "warmup_steps", "eval_every", "log_completions_every", "max_turns", "max_episode_tokens"):
-            need(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
-        need(self.learning_rate > 0, f"learning_rate: expected > 0, got {self.learning_rate}")
-        need(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
-        need(self.ray_timeout > 0, f"ray_timeout: expected > 0 seconds, got {self.ray_timeout}")
-        need(0 < self.clip_epsilon < 1, f"clip_epsilon: expected in (0, 1), got {self.clip_epsilon}")
-        need(self.kl_target > 0, f"kl_target: expected > 0, got {self.kl_target}")
-        need(self.kl_bound > 0, f"kl_bound: expected > 0, got {self.kl_bound}")
-        need(0 < self.reference_alpha <= 1, f"reference_alpha: expected in (0, 1], got {self.reference_alpha}")
-        need(self.lora_rank == 0 or self.lora_alpha > 0, f"lora_alpha: expected > 0, got {self.lora_alpha}")
+        ranges = {**_RANGES, **({"lora_alpha": {"low": 0, "low_open": True}} if self.lora_rank else {})}
+        for f in fields(self):  # every number field: its type, finiteness and range
+            if f.type in ("int", "float"):
+                check = whole_number if f.type == "int" else real_number
+                p.extend(problems(check, f.name, getattr(self, f.name), **ranges.get(f.name, {})))
         for name, table in config_choices().items():
             try:
                 lookup(table, getattr(self, name), name)
@@ -209,6 +194,23 @@ class TrainConfig:
         return self
 
 
+# The range of each number field beyond "a finite number" (ints: at least ``low``).
+_RANGES: dict[str, dict[str, Any]] = {
+    **{name: {"low": 1} for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size",
+                                     "eval_max_new_tokens", "kl_horizon", "reference_every", "keep_checkpoints")},
+    "group_size": {"low": 2, "fix": "A group of one has no baseline."},
+    **{name: {"low": 0} for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
+                                     "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
+                                     "warmup_steps", "eval_every", "log_completions_every", "max_turns",
+                                     "max_episode_tokens")},
+    **{name: {"low": 0, "low_open": True} for name in ("learning_rate", "temperature", "kl_target", "kl_bound",
+                                                       "importance_cap")},
+    "ray_timeout": {"low": 0, "low_open": True, "fix": "It is in seconds."},
+    "clip_epsilon": {"low": 0, "low_open": True, "high": 1, "high_open": True},
+    "reference_alpha": {"low": 0, "low_open": True, "high": 1},
+}
+
+
 def _loop_problems(cfg: TrainConfig) -> list[str]:
     """The loop knobs' checks beyond their sign and choice (``validate`` runs them with the others)."""
     p = []
@@ -219,11 +221,10 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
     if cfg.warmup_steps > cfg.steps:
         p.append(f"warmup_steps: {cfg.warmup_steps} is more than steps ({cfg.steps}), so the learning rate "
                  "would never reach learning_rate; lower warmup_steps")
-    if cfg.dual_clip and not cfg.dual_clip > 1:
-        p.append(f"dual_clip: expected 0 (off) or a constant > 1, got {cfg.dual_clip}")
-    if not cfg.importance_cap > 0:
-        p.append(f"importance_cap: expected > 0, got {cfg.importance_cap}")
+    if cfg.dual_clip:
+        p.extend(problems(real_number, "dual_clip", cfg.dual_clip, low=1, low_open=True, fix="0 turns it off."))
     return p
+
 
 
 # importance_correction's extra name next to the registry's: off.

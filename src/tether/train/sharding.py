@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_sink import HeadHidden
 from tether.objectives import GRPOTokenTerms
+from tether.ops.checks import problems, whole_number
 from tether.train.devices import resolve_device
 from tether.train.rewards import Scores
 
@@ -174,8 +175,8 @@ class SharedDraw:
 # ------------------------------------------------------------------------------ set-up
 def config_problems(cfg: Any) -> list[str]:
     """What ``nproc`` cannot be combined with (``TrainConfig.validate`` lists these with the others)."""
-    if cfg.nproc < 1:
-        return [f"nproc: expected >= 1 learner processes, got {cfg.nproc}"]
+    if bad := problems(whole_number, "nproc", cfg.nproc, low=1, fix="It counts the learner processes."):
+        return bad
     if cfg.nproc == 1:
         return []
     n, p = cfg.nproc, []

@@ -25,8 +25,6 @@ Departures from the TorchRL seed, and why:
 from __future__ import annotations
 
 import copy
-import math
-import numbers
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from tensordict.utils import NestedKey, unravel_key
 from torch import nn
 
 from tether.models.batch_io import fetch
+from tether.ops.checks import kl_coefficient
 
 __all__ = ["KLRewardTransform"]
 
@@ -136,23 +135,6 @@ def _to_reward_shape(log_ratio: torch.Tensor, reward: torch.Tensor) -> torch.Ten
     )
 
 
-def _check_coef(value: Any) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"coef must be a real number; got {value!r} of type {type(value).__name__}. "
-            f"Pass a float such as 0.1."
-        )
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"coef must be finite and >= 0; got {value}. A negative coefficient would reward "
-            f"moving away from the reference; pass a value >= 0."
-        )
-    return value
-
-
 class KLRewardTransform(TensorDictModuleBase):
     """Subtracts ``coef * (log pi(a) - log pi_0(a))`` from the reward of a rollout.
 
@@ -216,7 +198,7 @@ class KLRewardTransform(TensorDictModuleBase):
 
     @kl_coef.setter
     def kl_coef(self, value: float) -> None:
-        self._coef = _check_coef(value)
+        self._coef = kl_coefficient("coef", value)
 
     coef = kl_coef  # the seed's keyword, kept as an alias
 
