@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from tether.models.score_sink import HeadHidden
+from tether.ops import kl_k1
 
 # Where the seed-API components keep each tensor of a rollout (the TorchRL LLM layout).
 TD_KEYS: dict[str, Any] = {
@@ -94,7 +95,7 @@ class StepRecord:
         """``[B, T]`` ``log pi_sampler - log pi_ref`` at the answer tokens (0 elsewhere): the k1 terms."""
         if self.ref_log_probs is None:
             raise ValueError("StepRecord.ref_log_probs is None: run the reference stage before asking for the KL.")
-        return (self.sample_log_probs - self.ref_log_probs) * self.assistant_mask
+        return kl_k1(self.sample_log_probs, self.ref_log_probs) * self.assistant_mask
 
     def sequence_log_ratio(self) -> Tensor:
         """``[B]`` the k1 terms summed over each answer: the sampled KL per answer."""
