@@ -38,7 +38,7 @@ from tether.models.score_sink import HeadHidden
 from tether.models.step_record import StepRecord
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
 from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
-from tether.ops.checks import real_number, whole_number
+from tether.ops.checks import kl_coefficient, real_number, whole_number
 from tether.ops.registry import lookup
 from tether.ops import (
     TokenStats,
@@ -67,10 +67,9 @@ RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 _AGGREGATION_ALIASES = {"token_mean": "token-mean", "prompt_mean": "seq-mean-token-mean"}
 
 
-def _coefficient(name: str, value: Any, *, optional: bool) -> float | None:
-    if value is None and optional:
-        return None
-    return real_number(name, value, low=0, fix="Pass None to leave the term out." if optional else "")
+def _optional_kl_coef(name: str, value: Any) -> float | None:
+    """A KL term's coefficient, or None to leave the term out."""
+    return None if value is None else kl_coefficient(name, value)
 
 
 class GRPOLoss(nn.Module):
@@ -166,7 +165,7 @@ class GRPOLoss(nn.Module):
         self.aggregation = _AGGREGATION_ALIASES.get(aggregation, aggregation)
         self.normalizer = normalizer
         self.kl_to_ref_coeff = kl_to_ref_coeff
-        self._kl_to_inference_coeff = _coefficient("kl_to_inference_coeff", kl_to_inference_coeff, optional=True)
+        self._kl_to_inference_coeff = _optional_kl_coef("kl_to_inference_coeff", kl_to_inference_coeff)
         self.kl_estimator = kl_estimator
         self.kl_correction = kl_correction
         self.ratio_level = ratio_level
@@ -222,7 +221,7 @@ class GRPOLoss(nn.Module):
 
     @kl_to_ref_coeff.setter
     def kl_to_ref_coeff(self, value: float | None) -> None:
-        self._kl_to_ref_coeff = _coefficient("kl_to_ref_coeff", value, optional=True)
+        self._kl_to_ref_coeff = _optional_kl_coef("kl_to_ref_coeff", value)
 
     @property
     def kl_coef(self) -> float | None:
@@ -239,7 +238,7 @@ class GRPOLoss(nn.Module):
 
     @kl_to_inference_coeff.setter
     def kl_to_inference_coeff(self, value: float | None) -> None:
-        self._kl_to_inference_coeff = _coefficient("kl_to_inference_coeff", value, optional=True)
+        self._kl_to_inference_coeff = _optional_kl_coef("kl_to_inference_coeff", value)
 
     # ------------------------------------------------------------------ the loss
     def forward(self, td: TensorDictBase, *, denominator: Tensor | float | None = None) -> GRPOLossOutput:

@@ -80,6 +80,7 @@ def whole_number(name: str, value: Any, *, low: int | None = None, high: int | N
         raise _fail(ValueError, name, what, f"{value!r}", fix)
     return int(value)
 
+
 def kl_coefficient(name: str, value: Any) -> float:
     """A KL coefficient (beta): finite and >= 0, a number or a one-element tensor."""
     return real_number(name, value, low=0, tensor_ok=True,
