@@ -2,13 +2,16 @@
 separate no-grad pass of policy and reference (``exact_kl_tokens``).
 
 One step's batch of the default run (``tether train`` defaults: the embedded SmolLM2-135M with
-LoRA, 6 problems x 6 answers of up to 64 tokens) is sampled once; then, alternating, each
+LoRA, 12 problems x 6 answers of up to 20 tokens) is sampled once; then, alternating, each
 variant is timed ``--repeats`` times:
 
 * ``loss pass``: ``GRPOLoss.token_terms`` + backward over the micro-batches, as the recipe runs it;
 * ``loss pass + exact KL``: the same with the record carrying the reference's hidden states;
 * ``reference pass``: the reference stage alone (what the loss-pass KL adds to it: keeping hidden states);
-* ``separate exact pass``: ``exact_kl_tokens(policy, reference, where=assistant mask)``.
+* ``separate exact pass``: ``exact_kl_tokens(policy, reference, where=assistant mask)``;
+* ``budget reading``: what ``kl_controller=budget`` spends per reading after the update, one
+  no-grad policy pass against the kept hidden states (``tether.train.kl_signal.answer_kl``); a
+  step spends one reading when the update stays in the band, two or more when it moves it.
 
     python benchmarks/exact_kl_cost.py [--repeats 3] [--threads 2]
 """
@@ -25,6 +28,7 @@ import torch
 from tether.models.scoring import exact_kl_tokens
 from tether.train.config import TrainConfig
 from tether.train.recipe import accumulate_gradients, add_advantages, add_reference, sample, score_rewards, step_problems
+from tether.train.kl_signal import answer_kl
 from tether.train.run import build_run
 
 
@@ -52,6 +56,7 @@ def main() -> None:
         "reference pass + kept hidden states": lambda: reference_pass(True),
         "separate exact pass": lambda: exact_kl_tokens(run.models.policy, run.models.reference, record.tokens,
                                                        record.attention_mask, where=record.assistant_mask),
+        "budget reading": lambda: torch.no_grad()(answer_kl)(run.loss.actor_network, record),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):

@@ -230,10 +230,10 @@ def test_load_state_dict_refuses_wrong_keys():
 
 
 def test_registry_builds_by_name_and_lists_names_on_error():
-    assert set(KL_CONTROLLERS) == {"constant", "adaptive", "target"}
+    assert set(KL_CONTROLLERS) == {"constant", "adaptive", "target", "budget"}
     ctl = make_kl_controller("adaptive", init_kl_coef=0.15, target=6.0, horizon=1e4)
     assert isinstance(ctl, AdaptiveKLController)
     assert isinstance(make_kl_controller("constant", kl_coef=0.1), ConstantKLController)
     assert isinstance(make_kl_controller("target", init_kl_coef=0.2, target=2.0), TargetKLController)
-    with pytest.raises(ValueError, match="adaptive.*constant.*target"):
+    with pytest.raises(ValueError, match="adaptive.*budget.*constant.*target"):
         make_kl_controller("pid")

@@ -86,6 +86,17 @@ def test_lora_on_two_ranks_equals_one_process(lora_runs):
     assert any(r["kl_per_seq"] > 1e-3 for r in _metrics(two))  # the leash measured a moved policy
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_kl_budget_on_two_ranks_equals_one_process(tmp_path, lora_rank):
+    """kl_controller=budget: the KL summed over both ranks' rows decides the move, each rank moves
+    its shards of the weights (LoRA's B factors, or every parameter toward the sharded reference
+    copy), and the run equals one process's; a target of 0.02 nats makes the budget move."""
+    kw = dict(lora_rank=lora_rank, learning_rate=1e-2, kl_controller="budget", kl_target=0.02)
+    train(TrainConfig(**_flags(tmp_path / "one", **kw)), progress=False)
+    _assert_same_run(tmp_path / "one", _sharded(tmp_path / "two", **kw), 1e-10)
+    assert any(r["kl_move_scale"] != 1.0 for r in _metrics(tmp_path / "one"))
+
+
 def test_resume_after_step_one_is_bit_identical(lora_runs, tmp_path):
     """A 2-rank run killed during step 2 (its directory as the kill leaves it: step 1's checkpoint,
     no step 2 checkpoint) and resumed ends bit-identical to the uninterrupted 2-rank run;

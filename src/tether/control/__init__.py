@@ -1,8 +1,11 @@
-"""KL coefficient controllers (constant, adaptive, target) that drive any component with a ``kl_coef``."""
+"""KL coefficient controllers (constant, adaptive, target) that drive any component with a ``kl_coef``,
+and the KL budget (``budget``) that also moves the update."""
 
+from tether.control.budget import BudgetMove
 from tether.control.controllers import (
     KL_CONTROLLERS,
     AdaptiveKLController,
+    BudgetKLController,
     ConstantKLController,
     KLController,
     TargetKLController,
@@ -12,6 +15,8 @@ from tether.control.controllers import (
 __all__ = [
     "KL_CONTROLLERS",
     "AdaptiveKLController",
+    "BudgetKLController",
+    "BudgetMove",
     "ConstantKLController",
     "KLController",
     "TargetKLController",

@@ -1,5 +1,6 @@
 """KL-coefficient controllers: a constant one, the adaptive one of Ziegler et al. (2019), and
-the registry that also names ``TargetKLController`` (``tether.control.target``).
+the registry that also names ``TargetKLController`` (``tether.control.target``) and
+``BudgetKLController`` (``tether.control.budget``).
 
 The adaptive rule is the proportional controller of "Fine-Tuning Language Models from Human
 Preferences" (section 2.2, as in openai/lm-human-preferences)::
@@ -36,11 +37,13 @@ from tether.control._checks import (
     push_coef,
 )
 from tether.ops.checks import real_number
+from tether.control.budget import BudgetKLController
 from tether.control.target import TargetKLController
 
 __all__ = [
     "KL_CONTROLLERS",
     "AdaptiveKLController",
+    "BudgetKLController",
     "ConstantKLController",
     "KLController",
     "TargetKLController",
@@ -210,6 +213,7 @@ KL_CONTROLLERS: dict[str, type] = {
     "constant": ConstantKLController,
     "adaptive": AdaptiveKLController,
     "target": TargetKLController,
+    "budget": BudgetKLController,
 }
 
 

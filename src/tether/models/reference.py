@@ -164,7 +164,13 @@ def _check_mode(mode: str, every: int, alpha: float | None) -> None:
         raise ValueError(f"alpha applies only to mode 'ema', got alpha={alpha!r} with mode {mode!r}; drop it")
 
 
-def _tracked_pairs(policy: nn.Module, reference: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's values live; a sharded (DTensor) parameter's local shard."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def tracked_pairs(policy: nn.Module, reference: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Trainable policy parameters paired by name with the reference's own tensors."""
     if isinstance(reference, AdapterDisabledReference):
         raise ValueError(
@@ -187,7 +193,7 @@ def _tracked_pairs(policy: nn.Module, reference: nn.Module) -> dict[str, tuple[t
                 f"parameter {name!r}: policy shape {tuple(param.shape)} != reference shape "
                 f"{tuple(target.shape)}; the reference must be a copy of the policy"
             )
-        if target.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        if _storage(target) == _storage(param):
             raise ValueError(
                 f"parameter {name!r} shares storage between policy and reference; an update "
                 "policy needs an independent reference: use frozen_copy(policy)"
@@ -233,7 +239,7 @@ class ReferenceUpdater:
                 "merge the adapter (merge_and_unload) and train the full model"
             )
         self._rule = REFERENCE_UPDATES[mode]
-        self._pairs = {} if self._rule is None else _tracked_pairs(policy, reference)
+        self._pairs = {} if self._rule is None else tracked_pairs(policy, reference)
         self.last_step = 0
         self.num_updates = 0
 

@@ -27,6 +27,10 @@ both KLs describe the sampling policy; with several, each mini-batch's exact KL 
 the weights its update started from. Without an exact KL (a head that is not a linear map
 of the last hidden state, or a reference scored by a Ray ``ReferenceService``, which
 returns log-probs only) the sampled KL is used and the record's ``kl_signal`` says so.
+
+``kl_controller=budget`` measures after the optimizer step too (``hold_kl_budget``): the
+updated weights' KL on the step's own answers, exact from the kept reference hidden states, or
+k1 against the reference log-probs where there are none (Ray), one policy forward a reading.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tether.control.budget import BudgetKLController
 from tether.models.scoring import causal_lm_parts
+from tether.models.step_record import StepRecord
+from tether.ops import kl_k1
 
 # The config's kl_signal choices (read by TrainConfig.validate).
 KL_SIGNALS: dict[str, str] = {
@@ -90,3 +97,32 @@ def measure_kl(sampled: Tensor, exact_tokens: Tensor | None, mask: Tensor) -> KL
     """
     exact = None if exact_tokens is None else (exact_tokens * mask.to(exact_tokens.device)).sum(-1).double().cpu()
     return KLMeasurement(sampled=sampled.detach().double().cpu(), exact=exact, tokens=int(mask.sum()))
+
+
+def answer_kl(actor: Any, record: StepRecord) -> Tensor:
+    """``[B]`` the KL of ``actor``'s model to the reference along each of ``record``'s answers:
+    exact over the vocabulary from ``record.ref_hidden``, else k1 of the sampled tokens against
+    ``record.ref_log_probs`` (a reference that returned log-probs only)."""
+    mask = record.assistant_mask
+    scored = actor.score(record.tokens, record.attention_mask, where=mask, kl_to=record.ref_hidden)
+    per_token = scored.exact_kl if record.ref_hidden is not None else kl_k1(scored.log_probs, record.ref_log_probs)
+    return (per_token.double() * mask.to(per_token.device)).sum(-1).cpu()
+
+
+@torch.no_grad()
+def hold_kl_budget(run: Any, record: StepRecord) -> dict[str, float]:
+    """``kl_controller=budget``, after the optimizer step: the updated weights' mean KL per answer
+    over every rank's rows, and, if it left the band, the weights moved back into it (the
+    controller's ``hold``); the move's record entries. Other controllers: nothing, ``{}``."""
+    if not isinstance(run.controller, BudgetKLController):
+        return {}
+    ranks, line = run.ranks, run.line
+    line.capture()
+
+    def measure() -> float:
+        with ranks.unsharded():
+            kl = answer_kl(run.loss.actor_network, record)
+        total = ranks.total(torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]))
+        return float(total[0] / total[1])
+
+    return run.controller.hold(line.place, measure).metrics()

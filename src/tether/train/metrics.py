@@ -29,12 +29,16 @@ PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("grad_norm", "Gradient norm (before clipping)", "L2 norm"),
     ("lr", "Learning rate", "lr"),
 )
-# Drawn only for runs whose records carry them (tasks with tools).
+# Drawn only for runs whose records carry them (tasks with tools, the KL budget).
 OPTIONAL_PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("tool_call_rate", "Episodes calling a tool", "fraction"),
     ("tool_error_rate", "Tool calls that failed", "fraction"),
     ("turns_per_episode", "Assistant turns per episode", "turns"),
+    ("kl_move_scale", "KL budget: scale kept (1 = update untouched)", "scale s"),
+    ("kl_move_forwards", "KL budget: policy forwards spent", "forwards"),
 )
+# The KL panel's extra curves: the exact KL and, under the budget, the KL before and after its move.
+_KL_EXTRA = ("kl_exact_per_seq", "kl_move_before_per_seq", "kl_move_after_per_seq")
 
 
 def plotted_for(records: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
@@ -109,14 +113,15 @@ TARGET_BAND = 0.25
 
 def _draw_kl_guides(ax, config: dict[str, Any], curves: dict[str, tuple[list[int], list[float]]]) -> None:
     """Exact KL beside the sampled one, the bound, and the target band of a controlled run."""
-    steps, exact = curves.get("kl_exact_per_seq", ([], []))
-    if any(v == v for v in exact):  # not all NaN: the run logged the exact KL
-        ax.plot(steps, exact, marker="s", markersize=3, label="kl_exact_per_seq")
+    for key, marker in zip(_KL_EXTRA, "s^v"):
+        steps, values = curves.get(key, ([], []))
+        if any(v == v for v in values):  # not all NaN: the run logged it
+            ax.plot(steps, values, marker=marker, markersize=3, label=key)
     bound = config.get("kl_bound")
     if isinstance(bound, (int, float)):
         ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
     target = config.get("kl_target")
-    if config.get("kl_controller") in ("adaptive", "target") and isinstance(target, (int, float)):
+    if config.get("kl_controller") in ("adaptive", "target", "budget") and isinstance(target, (int, float)):
         ax.axhspan(target * (1 - TARGET_BAND), target * (1 + TARGET_BAND), color="tab:green", alpha=0.15,
                    label=f"kl_target +-{TARGET_BAND:.0%}")
     ax.legend(loc="upper left", fontsize=8)
@@ -197,7 +202,7 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     curves = curve_data(records)
-    curves["kl_exact_per_seq"] = ([r["step"] for r in records], [r.get("kl_exact_per_seq", float("nan")) for r in records])
+    curves.update({key: ([r["step"] for r in records], [r.get(key, float("nan")) for r in records]) for key in _KL_EXTRA})
     config = _run_config(run_dir)
     panels = plotted_panels(config, records)
     written: list[Path] = []

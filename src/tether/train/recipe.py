@@ -30,7 +30,7 @@ from tether.rollout import episode_metrics
 from tether.train.best import best_root, periodic_eval
 from tether.train.config import TrainConfig
 from tether.train.data import prompt_batch
-from tether.train.kl_signal import has_exact_kl, measure_kl
+from tether.train.kl_signal import has_exact_kl, hold_kl_budget, measure_kl
 from tether.train.metrics import plot_metrics
 from tether.train.rewards import RewardError, Samples, Scores
 from tether.train.run import Run, build_run
@@ -155,14 +155,15 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         scores = score_rewards(run, record, problems, step)
         add_reference(run, record)
     sampled_kl = ranks.rows(record.sequence_log_ratio())  # every rank's answers
-    if cfg.kl_control_signal == "sampled":  # beta for this very update, from this batch's KL
+    if cfg.kl_control_signal == "sampled" and run.line is None:  # beta for this update, from this batch's KL
         run.controller.update(sampled_kl.tolist())
     add_advantages(run, record)
     kl_coef, lr = float(run.leash.kl_coef), run.optimizer.param_groups[0]["lr"]
     update = optimize(run, record, step)
+    move = hold_kl_budget(run, record)  # kl_controller=budget: the update moved into the band, beta from it
     run.scheduler.step()
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
-    if cfg.kl_control_signal == "exact":  # known only now: beta for the next update
+    if cfg.kl_control_signal == "exact" and run.line is None:  # known only now: beta for the next update
         run.controller.update(kl.signal.tolist())
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
@@ -178,6 +179,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
         **kl.metrics(cfg.kl_bound),
         "kl_coef": kl_coef,
+        **move,
         "clip_fraction": float(out.clip_fraction),
         "ess": float(out.ESS),
         "entropy": float(out.entropy) if out.entropy is not None else float("nan"),

@@ -14,6 +14,7 @@ import torch
 from tether.control import KLController, make_kl_controller
 from tether.ops.registry import lookup
 from tether.models import ReferenceUpdater, TransformersWrapper
+from tether.models.reference_line import ReferenceLine
 from tether.objectives import GRPOLoss
 from tether.train.best import BestEval
 from tether.train.config import TrainConfig
@@ -59,6 +60,7 @@ class Run:
     best: BestEval = field(default_factory=BestEval)
     tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
     ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's processes (tether.train.sharding)
+    line: ReferenceLine | None = None  # kl_controller=budget: the weights it moves toward the reference
 
     @property
     def excluded(self) -> set[str]:
@@ -69,6 +71,7 @@ class Run:
 def _controller(cfg: TrainConfig, leash: GRPOLoss | KLPenalty) -> Any:
     options = {"adaptive": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target, "horizon": cfg.kl_horizon},
                "target": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
+               "budget": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
                "constant": {"kl_coef": cfg.kl_coef}}
     return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
 
@@ -123,6 +126,7 @@ def build_run(cfg: TrainConfig) -> Run:
         controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,
         scorer=build_scorer(cfg, task, models.device), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
+        line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" else None,
     )
     share_run(run)
     return run

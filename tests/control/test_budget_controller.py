@@ -1,0 +1,167 @@
+"""``BudgetKLController``: the search of the move on synthetic KL curves, its guarantee, the
+beta rule, state and argument errors. The weights and the language model are in
+``tests/models/test_reference_line.py`` and ``tests/train/test_kl_budget.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tether.control import BudgetKLController, make_kl_controller
+
+
+class Plant:
+    """Weights on the line: ``kl(s)`` at the scale ``move`` last set (1 until moved)."""
+
+    def __init__(self, kl):
+        self.kl, self.scale, self.moves, self.reads = kl, 1.0, [], 0
+
+    def move(self, scale: float) -> None:
+        self.scale = scale
+        self.moves.append(scale)
+
+    def measure(self) -> float:
+        self.reads += 1
+        return self.kl(self.scale)
+
+
+def _ctl(**kw) -> BudgetKLController:
+    return BudgetKLController(**{"init_kl_coef": 0.1, "target": 2.0, **kw})
+
+
+@pytest.mark.parametrize("kl_at_one", [1.6, 2.0, 2.24])
+def test_weights_in_the_band_are_never_moved(kl_at_one):
+    """Between 0.75 and 1.125 times the target the updated weights stay: one reading, no move."""
+    plant = Plant(lambda s: kl_at_one * s * s)
+    move = _ctl().hold(plant.move, plant.measure)
+    assert (plant.moves, plant.reads, move.scale, move.forwards) == ([], 1, 1.0, 1)
+    assert move.kl_before == move.kl_after == kl_at_one
+
+
+def test_a_quadratic_kl_is_pulled_back_with_one_more_forward():
+    """KL = 8 s^2 at target 2: the first guess s = (2 / 8)^(1/2) = 0.5 lands exactly on 2."""
+    plant = Plant(lambda s: 8.0 * s * s)
+    move = _ctl().hold(plant.move, plant.measure)
+    assert plant.moves == [0.5] and move.scale == 0.5 and move.forwards == 2
+    assert move.kl_after == pytest.approx(2.0, abs=1e-12)
+
+
+def test_a_lagging_kl_is_pushed_out_to_at_most_max_scale():
+    """KL = 0.02 s^2: the guess 10 is cut to max_scale 4, where the KL is 0.32; nothing further
+    is tried (4 was measured and is still under the target)."""
+    plant = Plant(lambda s: 0.02 * s * s)
+    move = _ctl().hold(plant.move, plant.measure)
+    assert plant.moves == [4.0] and move.scale == 4.0 and move.kl_after == pytest.approx(0.32)
+    assert plant.reads == 2
+
+
+def test_max_scale_one_never_pushes():
+    plant = Plant(lambda s: 0.02 * s * s)
+    assert _ctl(max_scale=1.0).hold(plant.move, plant.measure).scale == 1.0 and plant.moves == []
+
+
+def test_the_exponent_is_refitted_from_two_readings():
+    """KL = 8 s^4: the quadratic guess 0.5 reads 0.5; the refit exponent is log(0.5/8)/log(0.5) = 4,
+    so the next guess 0.5 * (2 / 0.5)^(1/4) = 0.7071 lands on 2 (to rounding)."""
+    plant = Plant(lambda s: 8.0 * s ** 4)
+    ctl = _ctl()
+    move = ctl.hold(plant.move, plant.measure)
+    assert plant.moves[0] == 0.5 and plant.moves[1] == pytest.approx(math.sqrt(0.5), rel=1e-12)
+    assert ctl.power == pytest.approx(4.0) and move.kl_after == pytest.approx(2.0, rel=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(scale=st.floats(0.05, 50.0), power=st.floats(0.3, 6.0), wiggle=st.floats(0.0, 0.9),
+       forwards=st.integers(2, 6))
+def test_the_kept_weights_are_never_over_the_top(scale, power, wiggle, forwards):
+    """Whatever the curve (non-monotone wiggles included), the KL of the weights kept is at most
+    the band's top, the weights are those of the last move, and no more than ``max_forwards``
+    readings are spent."""
+
+    def kl(s):
+        return scale * s ** power * (1 + wiggle * math.sin(7 * s))
+
+    plant = Plant(kl)
+    move = _ctl(max_forwards=forwards).hold(plant.move, plant.measure)
+    assert plant.reads == move.forwards <= forwards
+    assert plant.scale == move.scale
+    if move.scale != 1.0 or plant.moves:
+        assert move.kl_after == (kl(move.scale) if move.scale else 0.0)
+        assert move.kl_after <= 2.5
+
+
+def test_no_scale_under_the_top_falls_back_to_the_reference():
+    """A KL over the top at every scale tried: the weights go to scale 0 (KL 0 by construction)."""
+    plant = Plant(lambda s: 100.0 if s > 0 else 0.0)
+    move = _ctl(max_forwards=3).hold(plant.move, plant.measure)
+    assert move.scale == 0.0 and plant.scale == 0.0 and move.kl_after == 0.0 and move.forwards == 3
+
+
+def test_beta_is_a_pi_rule_on_the_log_error():
+    """e = log(KL / target) clipped to [-1, 1]; I += 0.25 e; beta = exp(I + 0.5 e).
+    From beta 0.1: KL 4 at target 2 gives e = log 2, I = log 0.1 + 0.25 log 2,
+    beta = 0.1 * 2^0.75 = 0.168179; then KL 2 gives e = 0 and beta = 0.1 * 2^0.25 = 0.118921;
+    then KL 0 gives e = -1: I = log 0.1 + 0.25 log 2 - 0.25, beta = 0.118921 * exp(-0.75)."""
+    ctl = _ctl()
+    assert ctl.update([4.0, 4.0]) == pytest.approx(0.1 * 2 ** 0.75, rel=1e-12)
+    assert ctl.update(2.0, n_steps=3) == pytest.approx(0.1 * 2 ** 0.25, rel=1e-12)
+    assert ctl.update([0.0]) == pytest.approx(0.1 * 2 ** 0.25 * math.exp(-0.75), rel=1e-12)
+
+
+def test_beta_stays_in_its_bounds_without_wind_up():
+    """Twenty readings far over target drive beta to max_coef; the integral stops there too, so one
+    reading at target brings beta straight back under the bound."""
+    ctl = _ctl(max_coef=1.0)
+    for _ in range(20):
+        ctl.update([1e6])
+    assert ctl.kl_coef == 1.0 and ctl.integral == 0.0
+    assert ctl.update([2.0]) == 1.0  # e = 0: exp(I) = exp(0)
+
+
+def test_hold_steps_beta_from_the_kl_before_the_move():
+    """The updated weights read 8 at target 2: e = log 4 = 1.39, clipped to 1; beta = 0.1 e^0.75."""
+    plant = Plant(lambda s: 8.0 * s * s)
+    ctl = _ctl()
+    ctl.hold(plant.move, plant.measure)
+    assert ctl.kl_coef == pytest.approx(0.1 * math.exp(0.75), rel=1e-12)
+
+
+def test_state_round_trip_and_registry():
+    ctl = make_kl_controller("budget", init_kl_coef=0.3, target=1.5)
+    assert isinstance(ctl, BudgetKLController)
+    plant = Plant(lambda s: 9.0 * s ** 3)
+    ctl.hold(plant.move, plant.measure)
+    other = make_kl_controller("budget", init_kl_coef=0.2, target=9.0)
+    other.load_state_dict(ctl.state_dict())
+    assert other.state_dict() == ctl.state_dict()
+    with pytest.raises(KeyError, match=r"BudgetKLController.load_state_dict expected keys .* missing \['power'\]"):
+        other.load_state_dict({k: v for k, v in ctl.state_dict().items() if k != "power"})
+
+
+class Leashed:
+    kl_coef = 0.0
+
+
+def test_drives_kl_coef_of_its_model():
+    target = Leashed()
+    ctl = _ctl(model=target)
+    assert target.kl_coef == 0.1
+    ctl.update([20.0])
+    assert target.kl_coef == ctl.kl_coef
+
+
+@pytest.mark.parametrize("kw, error, text", [
+    ({"band": 1.0}, ValueError, "band: expected a finite number in (0, 1), got 1.0"),
+    ({"max_scale": 0.5}, ValueError, "max_scale: expected a finite number >= 1, got 0.5. 1 never pushes the KL up."),
+    ({"max_forwards": 1}, ValueError, "max_forwards: expected an int >= 2, got 1. One measures the updated weights"),
+    ({"target": 0}, ValueError, "target: expected a finite number > 0, got 0"),
+    ({"init_kl_coef": 1e-6}, ValueError, "init_kl_coef: expected a finite number in [0.0001, 1000], got 1e-06"),
+    ({"max_forwards": 2.5}, TypeError, "max_forwards: expected an int"),
+])
+def test_bad_arguments_name_themselves(kw, error, text):
+    with pytest.raises(error) as info:
+        _ctl(**kw)
+    assert text in str(info.value)
