@@ -20,6 +20,9 @@ KL per step per run, with the band, goes to ``--out``/leash.png.
 
     python benchmarks/leash.py            # the full grid (about 45 min on 2 cores)
     python benchmarks/leash.py --quick    # 1 setting, 3 steps, tiny batches: a smoke run
+
+Runs whose directory under ``--out`` holds a ``summary.json`` are read instead of re-run, so
+``--settings`` can split the grid over processes and a last full call prints and plots it all.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def run_one(setting: Setting, controller: str, args: argparse.Namespace) -> list
         kl_target=args.kl_target, kl_signal="exact", kl_bound=3.0, eval_size=0, checkpoint_every=0, out=str(out),
         threads=args.threads,
     )
-    train(cfg, progress=False)
+    if not (out / "summary.json").is_file():  # a finished run is read, not re-run
+        train(cfg, progress=False)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kl-target", type=float, default=1.0, help="nats per answer, the same for every run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/leash")
+    parser.add_argument("--settings", default="", help="comma-separated 1-based indices of the settings to run "
+                        "(default: all; the others are skipped, so parts of the grid can run in parallel)")
     parser.add_argument("--controllers", default=",".join(CONTROLLERS),
                         help="comma-separated subset of constant,adaptive,target to run (default: all three)")
     args = parser.parse_args(argv)
@@ -128,7 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     begin = time.perf_counter()
     print("| setting | controller | post-warm-up steps in band | final KL | reward gain | steps over kl_bound |")
     print("|---|---|---|---|---|---|")
-    for setting in settings(args.quick):
+    grid = settings(args.quick)
+    if args.settings:
+        grid = [grid[int(i) - 1] for i in args.settings.split(",")]
+    for setting in grid:
         for controller in args.controllers.split(","):
             res = row(run_one(setting, controller, args), args.kl_target)
             results[setting.name, controller] = res

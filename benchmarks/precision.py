@@ -35,7 +35,8 @@ def setup(dtype: str, checkpointing: bool, lora_rank: int, prompts: int, group: 
     import torch
 
     from tether.train.config import TrainConfig
-    from tether.train.recipe import accumulate_gradients, add_advantages, build_run, rollout, score_rewards
+    from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample,
+                                     score_rewards, step_problems)
 
     folder = tempfile.TemporaryDirectory()
     cfg = TrainConfig(out=folder.name, dtype=dtype, gradient_checkpointing=checkpointing, lora_rank=lora_rank,
@@ -43,9 +44,11 @@ def setup(dtype: str, checkpointing: bool, lora_rank: int, prompts: int, group: 
                       micro_batch_size=micro_batch_size, eval_size=0, threads=threads, device="cpu")
     run = build_run(cfg)
     run.sampler.eos_ids = {-1}  # no token id matches: every answer runs to max_new_tokens
-    batch, problems = rollout(run, 0)
-    rewards, _ = score_rewards(run, batch, problems, 0)
-    add_advantages(run, batch, rewards)
+    problems = step_problems(run, 0)
+    batch = sample(run, problems, 0)
+    score_rewards(run, batch, problems, 0)
+    add_reference(run, batch)
+    add_advantages(run, batch)
     torch.manual_seed(0)
 
     def step() -> None:

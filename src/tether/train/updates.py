@@ -65,7 +65,6 @@ def minibatch_bounds(size: int, n: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def store_old_log_probs(actor: Any, record: Any, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` the current policy's log-probs of a ``StepRecord``'s answer tokens."""
     parts = [actor.score(part.tokens, part.attention_mask, where=part.assistant_mask).log_probs
