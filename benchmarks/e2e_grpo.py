@@ -130,6 +130,8 @@ def train_config(work: dict, out: str = "runs/bench-e2e"):
         values["lora_rank"] = 0
     if "device" in work:  # benchmarks/gpu_grpo.py: the same workload on a GPU
         values.update(device=work["device"], dtype=work["dtype"])
+    if work.get("model"):  # benchmarks/gpu_grpo.py --model: a model directory instead of the embedded one
+        values["model"] = work["model"]
     return base.override(values).validate()
 
 
@@ -380,7 +382,13 @@ def setup_trl(work: dict, info_path: str):
     gate = _trl_gate(clock)
     output_dir = tempfile.TemporaryDirectory()
     device, dtype = work.get("device", "cpu"), getattr(torch, work.get("dtype", "float32"))
-    model, tokenizer = load_default_model(dtype=dtype)
+    if work.get("model"):  # a model directory (benchmarks/gpu_grpo.py --model)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(work["model"], dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(work["model"], local_files_only=True)
+    else:
+        model, tokenizer = load_default_model(dtype=dtype)
     model.to(device)
     trainer = _trl_trainer_class(clock, counts)(
         model=model, reward_funcs=_trl_reward(cfg, problems), args=_trl_args(cfg, work, output_dir.name),

