@@ -43,6 +43,27 @@ def test_trl_names_map_to_tether_fields_with_one_note_each():
     cfg.validate()
 
 
+def test_trl_beta_note_says_tether_moves_beta_and_the_current_cap_name_maps():
+    """TRL's beta is a fixed coefficient; tether's default target controller only starts from it,
+    so the note says so and names the flag that keeps TRL's meaning (the default stays target).
+    TRL 1.16 calls the importance-weight cap vllm_importance_sampling_clip_max; the older name
+    vllm_importance_sampling_cap still maps to the same key."""
+    for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = TrainConfig().override({"beta": 0.04, name: 3.5, "importance_correction": "tis"})
+        assert (cfg.kl_coef, cfg.importance_cap, cfg.kl_controller) == (0.04, 3.5, "target")
+        notes = [str(w.message) for w in caught if issubclass(w.category, TRLNameNote)]
+        beta = [n for n in notes if n.startswith("TRL's beta=0.04 read as kl_coef=0.04")]
+        assert len(beta) == 1 and "\n" not in beta[0]
+        assert "constant coefficient" in beta[0] and "--kl-controller constant" in beta[0]
+        assert any(n.startswith(f"TRL's {name}=3.5 read as importance_cap=3.5") for n in notes)
+        cfg.validate()
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max.*and vllm_importance_sampling_cap both"
+                                         "|vllm_importance_sampling_cap.*and vllm_importance_sampling_clip_max both"):
+        TrainConfig().override({"vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_cap": 2.0})
+
+
 def test_trl_names_in_a_yaml_file(tmp_path):
     path = tmp_path / "grpo.yaml"
     path.write_text("beta: 0.1\nnum_generations: 4\nloss_type: grpo\nlearning_rate: 1.0e-5\n")
