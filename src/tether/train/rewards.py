@@ -228,10 +228,12 @@ class RewardModelFunction:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from tether.models import SequenceRewardModel
+        from tether.train.model_source import check_not_pickled
 
+        check_not_pickled(Path(path), "reward_model")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, local_files_only=True, dtype=torch.float32).to(device).eval()
+            path, num_labels=1, local_files_only=True, dtype=torch.float32, use_safetensors=True).to(device).eval()
         if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"reward_model: {path}'s tokenizer has no chat template to render chat prompts; "
                              "use a reward model with one, or --prompt-format text.")
