@@ -182,3 +182,55 @@ def test_the_readme_lists_every_trl_name():
     section = readme[readme.index("## Coming from TRL"):readme.index("## Layout")]
     missing = [name for name in TRL_NAMES if f"`{name}`" not in section]
     assert not missing, f"README's 'Coming from TRL' table lacks {missing}"
+
+
+def test_help_shows_every_choice_fields_names(capsys):
+    """`tether train --help` shows each choice field's registry names as its metavar
+    (`--dtype {float32,bfloat16,...}`), not STR; other fields keep their type."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    choices = config_choices()
+    assert {"dtype", "device"} <= choices.keys()
+    for name, table in choices.items():
+        flag = f"--{name.replace('_', '-')}"
+        assert f"{flag} {{{','.join(table)}}}" in text and f"{flag} STR" not in text, name
+    assert "--dtype {float32,bfloat16" in text and "--device {auto,cpu,cuda" in text
+    assert "--steps INT" in text and "--model STR" in text and "--learning-rate FLOAT" in text
+
+
+WARNING_SCRIPT = """
+import warnings
+from tether.train import cli
+from tether.train.trl_names import TRLNameNote
+
+def fake_plot(args):
+    warnings.warn_explicit("`is_x` is deprecated", FutureWarning, "/lib/transformers/modeling_utils.py", 33,
+                           module="transformers.modeling_utils")
+    warnings.warn_explicit("a user warning of another library", UserWarning, "/lib/other/thing.py", 7,
+                           module="other.thing")
+    warnings.warn("TRL's beta=0.1 read as kl_coef=0.1", TRLNameNote)
+    return 0
+
+cli.cmd_plot = fake_plot
+raise SystemExit(cli.main(["plot", "anything"]))
+"""
+
+
+def test_only_tethers_own_warnings_carry_the_tether_prefix():
+    """Run as a program (pytest would record warnings instead of printing them): another
+    library's FutureWarning and UserWarning print in Python's form, naming their file; tether's
+    own note prints as one `tether:` line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", WARNING_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert "/lib/transformers/modeling_utils.py:33: FutureWarning: `is_x` is deprecated" in lines
+    assert "/lib/other/thing.py:7: UserWarning: a user warning of another library" in lines
+    assert "tether: TRLNameNote: TRL's beta=0.1 read as kl_coef=0.1" in lines
+    assert not any(line.startswith(("tether: FutureWarning", "tether: UserWarning")) for line in lines), lines

@@ -234,3 +234,41 @@ def test_resume_with_steps_extends_the_run_exactly(finished, tmp_path, capsys):
                          (["--out", str(clean)], "a resume writes into the run it continues")):
         assert main(["train", "--quiet", "--resume", str(run), *extra]) == 2
         assert match in one_error_line(capsys)
+
+
+# ------------------------------------------------------------------------------ issue 27, item 8
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(finished, tmp_path, capsys):
+    """`--resume` on a run whose newest checkpoint is at `steps` with summary.json written prints
+    one line saying it is finished and how to extend or score it, exits 0, and leaves every file
+    byte-identical (the final evaluation is not run again). Without summary.json (a run stopped
+    in its final evaluation) the resume runs that evaluation and writes the summary."""
+    run = copy_of(finished, tmp_path)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", "--quiet", "--resume", str(run)]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        f"tether train: {run} is finished (step 2 of 2, summary.json written); nothing to resume. Train on with "
+        f"--resume {run} --steps N (N > 2); score it with tether eval {run}."], out
+    assert snapshot(run) == before
+    (run / "summary.json").unlink()
+    assert main(["train", "--quiet", "--resume", str(run)]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert "is finished" not in capsys.readouterr().out
+
+
+def test_eval_says_which_checkpoint_and_step_it_scores(finished, tmp_path, capsys):
+    """`tether eval RUN` names the checkpoint it loaded and its step on stderr, and the JSON on
+    stdout carries both; an untrained model is step 0 with no checkpoint."""
+    run = copy_of(finished, tmp_path)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--trust-task-code", "--eval-size", "2"]) == 0
+    out = capsys.readouterr()
+    checkpoint = run / "checkpoints" / "step_000002"
+    assert f"tether eval: scoring {checkpoint} (step 2 of 2) on 2 held-out problems" in out.err.splitlines()
+    result = json.loads(out.out)
+    assert (result["checkpoint"], result["step"], result["n"]) == (str(checkpoint), 2, 2)
+    assert main(["eval", "--model", "tiny", "--eval-size", "1"]) == 0
+    out = capsys.readouterr()
+    assert "tether eval: scoring the untrained model 'tiny' (step 0) on 1 held-out problems" in out.err.splitlines()
+    assert (json.loads(out.out)["checkpoint"], json.loads(out.out)["step"]) == (None, 0)
