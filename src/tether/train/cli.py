@@ -7,7 +7,9 @@ RUN's config.yaml, and its flags and overrides may change only what a resume may
 
 A user error (bad command line, bad config, a directory holding another run, a damaged
 checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
-traceback. TRL ``GRPOConfig`` names are accepted as flags and keys (see ``trl_names``).
+traceback; Ctrl-C during ``train`` prints one line naming the checkpoint to resume from and
+exits with 130 (``tether.train.interrupt``). TRL ``GRPOConfig`` names are accepted as flags
+and keys (see ``trl_names``).
 """
 
 from __future__ import annotations
@@ -116,9 +118,11 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
+    from tether.train.interrupt import report_interruption
     from tether.train.launch import launch, needs_launch, settle_nproc
     from tether.train.sharding import leave_ranks
 
+    cfg = None
     try:
         cfg = _config(args)
         cfg = settle_nproc(cfg, given=args.nproc is not None or cfg.nproc != 1).validate()
@@ -136,6 +140,8 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
         leave_ranks()  # a sharded run: every rank ends its process group together
     except _USER_ERRORS as exc:
         return _fail("train", exc)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line naming the checkpoint to resume from, status 130
+        return report_interruption(cfg, exc, copied=train_fn is not None)
     if int(os.environ.get("RANK", "0")):
         return 0  # rank 0 alone reports a sharded run
     _print_summary(summary)
