@@ -14,6 +14,7 @@ Row 1 position 2 has a policy log-prob of exactly 0 inside the mask: it counts (
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -178,6 +179,28 @@ def test_nested_row_length_mismatch_and_layout_mismatch():
     td["log_probs", "full"] = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="padded.*nested|nested.*padded"):
         KLComputation(add_to_reward=False)(td.exclude(("masks",)))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("key", [("log_probs", "full"), ("ref_log_probs", "full")])
+def test_nan_log_probs_inside_the_mask_are_refused_by_key(key, nested):
+    """Row 1 position 1 is on the assistant mask: a NaN there is refused, naming the key and the
+    position. Row 0 position 1 is attended but outside the assistant mask: a NaN there is ignored
+    and every written value equals the hand-derived one (row0 reward -> 1 - k1)."""
+    values = (GEN if key[0] == "log_probs" else REF).clone()
+    values[1, 1] = math.nan
+    td = batch(nested=nested, reward=torch.ones(2, 1, dtype=torch.float64))
+    td[key] = padded_to_nested(values, ATT) if nested else values
+    expected = re.escape(repr(key)) + r": expected log-probs that are not NaN inside the KL mask, got 1 NaN \(the first"
+    with pytest.raises(ValueError, match=expected + r" at row 1, position 1\)"):
+        KLComputation()(td)
+    values = (GEN if key[0] == "log_probs" else REF).clone()
+    values[0, 1] = math.nan
+    td = batch(reward=torch.ones(2, 1, dtype=torch.float64))
+    td[key] = values
+    out = KLComputation()(td)
+    torch.testing.assert_close(out["kl_penalty"], K1, rtol=0, atol=0)
+    torch.testing.assert_close(out["reward"][..., 0], torch.where(ATT, 1.0 - K1, 0.0), rtol=0, atol=0)
 
 
 def test_bad_reward_and_mask_shapes():

@@ -43,6 +43,27 @@ def test_trl_names_map_to_tether_fields_with_one_note_each():
     cfg.validate()
 
 
+def test_trl_beta_note_says_tether_moves_beta_and_the_current_cap_name_maps():
+    """TRL's beta is a fixed coefficient; tether's default target controller only starts from it,
+    so the note says so and names the flag that keeps TRL's meaning (the default stays target).
+    TRL 1.16 calls the importance-weight cap vllm_importance_sampling_clip_max; the older name
+    vllm_importance_sampling_cap still maps to the same key."""
+    for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = TrainConfig().override({"beta": 0.04, name: 3.5, "importance_correction": "tis"})
+        assert (cfg.kl_coef, cfg.importance_cap, cfg.kl_controller) == (0.04, 3.5, "target")
+        notes = [str(w.message) for w in caught if issubclass(w.category, TRLNameNote)]
+        beta = [n for n in notes if n.startswith("TRL's beta=0.04 read as kl_coef=0.04")]
+        assert len(beta) == 1 and "\n" not in beta[0]
+        assert "constant coefficient" in beta[0] and "--kl-controller constant" in beta[0]
+        assert any(n.startswith(f"TRL's {name}=3.5 read as importance_cap=3.5") for n in notes)
+        cfg.validate()
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max.*and vllm_importance_sampling_cap both"
+                                         "|vllm_importance_sampling_cap.*and vllm_importance_sampling_clip_max both"):
+        TrainConfig().override({"vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_cap": 2.0})
+
+
 def test_trl_names_in_a_yaml_file(tmp_path):
     path = tmp_path / "grpo.yaml"
     path.write_text("beta: 0.1\nnum_generations: 4\nloss_type: grpo\nlearning_rate: 1.0e-5\n")
@@ -161,3 +182,55 @@ def test_the_readme_lists_every_trl_name():
     section = readme[readme.index("## Coming from TRL"):readme.index("## Layout")]
     missing = [name for name in TRL_NAMES if f"`{name}`" not in section]
     assert not missing, f"README's 'Coming from TRL' table lacks {missing}"
+
+
+def test_help_shows_every_choice_fields_names(capsys):
+    """`tether train --help` shows each choice field's registry names as its metavar
+    (`--dtype {float32,bfloat16,...}`), not STR; other fields keep their type."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    choices = config_choices()
+    assert {"dtype", "device"} <= choices.keys()
+    for name, table in choices.items():
+        flag = f"--{name.replace('_', '-')}"
+        assert f"{flag} {{{','.join(table)}}}" in text and f"{flag} STR" not in text, name
+    assert "--dtype {float32,bfloat16" in text and "--device {auto,cpu,cuda" in text
+    assert "--steps INT" in text and "--model STR" in text and "--learning-rate FLOAT" in text
+
+
+WARNING_SCRIPT = """
+import warnings
+from tether.train import cli
+from tether.train.trl_names import TRLNameNote
+
+def fake_plot(args):
+    warnings.warn_explicit("`is_x` is deprecated", FutureWarning, "/lib/transformers/modeling_utils.py", 33,
+                           module="transformers.modeling_utils")
+    warnings.warn_explicit("a user warning of another library", UserWarning, "/lib/other/thing.py", 7,
+                           module="other.thing")
+    warnings.warn("TRL's beta=0.1 read as kl_coef=0.1", TRLNameNote)
+    return 0
+
+cli.cmd_plot = fake_plot
+raise SystemExit(cli.main(["plot", "anything"]))
+"""
+
+
+def test_only_tethers_own_warnings_carry_the_tether_prefix():
+    """Run as a program (pytest would record warnings instead of printing them): another
+    library's FutureWarning and UserWarning print in Python's form, naming their file; tether's
+    own note prints as one `tether:` line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", WARNING_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert "/lib/transformers/modeling_utils.py:33: FutureWarning: `is_x` is deprecated" in lines
+    assert "/lib/other/thing.py:7: UserWarning: a user warning of another library" in lines
+    assert "tether: TRLNameNote: TRL's beta=0.1 read as kl_coef=0.1" in lines
+    assert not any(line.startswith(("tether: FutureWarning", "tether: UserWarning")) for line in lines), lines

@@ -154,6 +154,32 @@ def test_missing_files_suffixes_columns_and_prompt_types_are_named(tmp_path):
         rows_to_problems([{"prompt": [{"role": "user"}]}], "prompt", "chat", "d")
 
 
+def test_a_hub_dataset_id_is_told_that_only_local_data_is_read(tmp_path, monkeypatch, capsys):
+    """``--dataset openai/gsm8k`` (no such local path) says Hub dataset ids are not read and how to
+    save the data locally, in one CLI line, before any model loads; a path with a data suffix
+    keeps the plain "does not exist"."""
+    from tests.train.test_run_dir import one_error_line
+    from tether.train import run as run_module
+    from tether.train.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"dataset: openai/gsm8k is no local file or directory, and Hugging Face "
+                                         r"Hub dataset ids are not read: tether reads datasets only from local"):
+        read_rows("openai/gsm8k", "dataset")
+    with pytest.raises(ValueError, match=r"eval_dataset: data/gsm8k.jsonl does not exist; give a .jsonl"):
+        read_rows("data/gsm8k.jsonl", "eval_dataset")
+
+    def no_models(cfg):
+        raise AssertionError("the models were loaded before the dataset was read")
+
+    monkeypatch.setattr(run_module, "build_models", no_models)
+    cfg = data_cfg(tmp_path, "openai/gsm8k", out=tmp_path / "run")
+    assert main(["train", "--quiet", *[f"{k}={v}" for k, v in cfg.__dict__.items()]]) == 2
+    line = one_error_line(capsys)
+    assert "Hub dataset ids are not read" in line and "load_dataset('openai/gsm8k'" in line
+    assert "--dataset gsm8k.jsonl" in line and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("changes,fragment", [
     (dict(dataset="d.jsonl"), "dataset: a dataset run needs a reward"),
     (dict(eval_split=0.2), "eval_split: holds out rows of --dataset, but no dataset is given"),

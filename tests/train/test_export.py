@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -59,13 +61,21 @@ def test_export_reloads_with_the_trained_log_probs(trained, tmp_path, merge):
 
     out = tmp_path / "out"
     lora = read_run_config(trained).lora_rank > 0
-    assert main(["export", str(trained), str(out), *(["--merge"] if merge else [])]) == 0
+    umask = os.umask(0o022)
+    try:
+        assert main(["export", str(trained), str(out), *(["--merge"] if merge else [])]) == 0
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert set(modes.values()) == {0o644} and any(name.endswith(".safetensors") for name in modes), modes
     policy, tokenizer = _trained_policy(trained)
     expected = _log_probs(policy, tokenizer)
     reloaded_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert reloaded_tok.chat_template == tokenizer.chat_template and reloaded_tok.get_vocab() == tokenizer.get_vocab()
     record = json.loads((out / "tether_export.json").read_text())
     assert record["step"] == 2 and record["kind"] == ("adapter" if lora and not merge else "merged" if lora else "full")
+    assert (record["run"], record["checkpoint"]) == (trained.name, "checkpoints/step_000002")
+    assert str(tmp_path.parent) not in json.dumps(record)  # no absolute path of this machine
     base, _ = load_base("tiny", read_run_config(trained).seed)
     if lora and not merge:
         from peft import PeftModel

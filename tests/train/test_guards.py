@@ -155,3 +155,21 @@ def test_metrics_log_skips_an_unfinished_last_line_and_names_a_bad_one(tmp_path)
     with pytest.raises(ValueError, match=rf"{log.path}: line 2 is not a step record"):
         log.read()
 
+
+
+def test_plot_names_a_missing_directory_a_file_and_a_directory_without_metrics(tmp_path, capsys):
+    """`tether plot` on a path that does not exist says so (not "no metrics"), as it does for a
+    file and for a directory that holds no metrics.jsonl; an empty metrics.jsonl keeps its message."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "metrics.jsonl").write_text("")
+    for name, fragment in (("nope", "nope: does not exist; expected a run directory"),
+                           ("file", "file: is a file; expected a run directory"),
+                           ("empty", "empty: holds no metrics.jsonl, so it is not a tether run directory"),
+                           ("fresh", "fresh/metrics.jsonl: no metrics to plot")):
+        assert main(["plot", str(tmp_path / name)]) == 2
+        line = one_error_line(capsys)
+        assert line.startswith(f"tether plot: {tmp_path / name}") and fragment in line, line
+        assert name == "fresh" or "no metrics to plot" not in line
+    assert not (tmp_path / "nope").exists()

@@ -271,3 +271,71 @@ def test_a_resume_refuses_an_adapter_that_changed_since_the_run_started(tmp_path
     _save_adapter(adapter_dir)
     with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="trained from another adapter than"):
         train(cfg, resume=True, progress=False)
+
+
+# ------------------------------------------------------------------ pickled weights
+class _Payload:
+    """A pickle that would create ``path`` if it were ever unpickled by a full unpickler."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import os
+
+        return os.makedirs, (str(self.path),)
+
+
+def test_eval_refuses_a_pickled_model_in_one_line_without_reading_it(tmp_path, capsys):
+    """The run's model directory holds a ``pytorch_model.bin`` pickle and no safetensors file:
+    `tether eval RUN` exits 2 with one line naming that file and saying pickles are refused (no
+    traceback), and the pickle's payload never ran. The same directory with ``model.safetensors``
+    beside the pickle loads the safetensors weights (the pickle is not looked at)."""
+    import pickle
+
+    from tests.train.test_run_dir import one_error_line
+    from tether.train.cli import main
+    from tether.train.run_dir import start_new_run
+
+    model, tokenizer = _tiny_base()
+    directory = tmp_path / "model"
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "model.safetensors").rename(tmp_path / "model.safetensors")
+    marker = tmp_path / "payload-ran"
+    with (directory / "pytorch_model.bin").open("wb") as fh:
+        pickle.dump({"weight": _Payload(marker)}, fh)
+    run = tmp_path / "run"
+    start_new_run(tiny_cfg(run, model=str(directory), task="arithmetic"))
+    capsys.readouterr()
+    assert main(["eval", str(run), "--eval-size", "2"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("tether eval: model: expected safetensors weights")
+    assert f"got only the pickle {directory / 'pytorch_model.bin'}" in line and "refuses pickled weights" in line
+    assert not marker.exists()
+    (tmp_path / "model.safetensors").rename(directory / "model.safetensors")
+    loaded, _ = load_base(str(directory), seed=0)
+    torch.testing.assert_close(_token_logprobs(loaded, IDS), _token_logprobs(model, IDS), rtol=0, atol=0)
+    assert not marker.exists()
+
+
+def test_a_pickled_adapter_or_reward_model_is_refused_by_name(tmp_path):
+    """An adapter directory holding ``adapter_model.bin`` and no safetensors, or a reward model
+    directory holding ``pytorch_model.bin``, is refused before PEFT or transformers reads it."""
+    from tether.train.model_source import load_adapter
+    from tether.train.rewards import RewardModelFunction
+
+    reward_model = tmp_path / "rm"
+    reward_model.mkdir()
+    torch.save({}, reward_model / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"reward_model: expected safetensors weights \(model\*\.safetensors\) "
+                                         r"in .*rm, got only the pickle .*pytorch_model\.bin; tether refuses"):
+        RewardModelFunction(str(reward_model), "text", torch.device("cpu"))
+
+    adapter = tmp_path / "adapter"
+    _save_adapter(adapter)
+    (adapter / "adapter_model.safetensors").unlink()
+    torch.save({}, adapter / "adapter_model.bin")
+    with pytest.raises(ValueError, match=r"adapter: expected safetensors weights \(adapter_model\*\.safetensors\) "
+                                         r"in .*adapter, got only the pickle .*adapter_model\.bin; tether refuses"):
+        load_adapter(_tiny_base()[0], str(adapter))

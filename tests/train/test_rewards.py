@@ -254,6 +254,38 @@ def test_a_failing_reward_leaves_a_run_that_resumes(tmp_path):
     assert train(cfg, resume=True, progress=False)["steps"] == 3
 
 
+@pytest.mark.parametrize("source,match", [
+    ("def wants(prompts, completions, solution, **kw):\n    return [0.0] * len(completions)\n",
+     r"reward function wants \(.*r.py\) needs \['solution'\], which dataset d.jsonl does not have \(its arguments: "
+     r"\['answer', 'completion_ids', 'completions', 'level', 'prompts'\]\); add those columns"),
+    ("def narrow(prompts, completions):\n    return [0.0] * len(completions)\n",
+     r"reward function narrow \(.*r.py\) cannot take the arguments \['answer', .*\] by keyword .*\*\*kwargs"),
+], ids=["missing-column", "no-kwargs"])
+def test_a_reward_function_the_dataset_cannot_call_fails_before_the_model_loads(tmp_path, monkeypatch, capsys,
+                                                                              source, match):
+    """A function needing a column the dataset lacks (or taking no **kwargs beside its columns) is
+    refused by `tether train` in one line (exit 2) before any model is built, and the run
+    directory is never created; the reward file ran once."""
+    import re
+
+    from tether.train import run as run_module
+
+    def no_models(cfg):
+        raise AssertionError("the models were loaded before the reward functions were checked")
+
+    monkeypatch.setattr(run_module, "build_models", no_models)
+    cfg = run_cfg(tmp_path, rewards="print('reward file ran')\n" + source)
+    with pytest.raises(RewardError, match=match):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+    capsys.readouterr()
+    assert main(["train", "--quiet", *[f"{k}={v}" for k, v in cfg.__dict__.items()]]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"tether train: " + match, lines[0]), out.err
+    assert out.out.count("reward file ran") == 1 and not (tmp_path / "run").exists()
+
+
 def test_a_reward_model_run(tmp_path):
     cfg = run_cfg(tmp_path, steps=1, reward_model=save_reward_model(tmp_path / "my-rm"), reward_weights="1,0,0.5")
     train(cfg, progress=False)

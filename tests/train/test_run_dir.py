@@ -234,3 +234,120 @@ def test_resume_with_steps_extends_the_run_exactly(finished, tmp_path, capsys):
                          (["--out", str(clean)], "a resume writes into the run it continues")):
         assert main(["train", "--quiet", "--resume", str(run), *extra]) == 2
         assert match in one_error_line(capsys)
+
+
+# ------------------------------------------------------------------------------ issue 27, item 8
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(finished, tmp_path, capsys):
+    """`--resume` on a run whose newest checkpoint is at `steps` with summary.json written prints
+    one line saying it is finished and how to extend or score it, exits 0, and leaves every file
+    byte-identical (the final evaluation is not run again). Without summary.json (a run stopped
+    in its final evaluation) the resume runs that evaluation and writes the summary."""
+    run = copy_of(finished, tmp_path)
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", "--quiet", "--resume", str(run)]) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        f"tether train: {run} is finished (step 2 of 2, summary.json written); nothing to resume. Train on with "
+        f"--resume {run} --steps N (N > 2); score it with tether eval {run}."], out
+    assert snapshot(run) == before
+    (run / "summary.json").unlink()
+    assert main(["train", "--quiet", "--resume", str(run)]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert "is finished" not in capsys.readouterr().out
+
+
+def test_eval_says_which_checkpoint_and_step_it_scores(finished, tmp_path, capsys):
+    """`tether eval RUN` names the checkpoint it loaded and its step on stderr, and the JSON on
+    stdout carries both; an untrained model is step 0 with no checkpoint."""
+    run = copy_of(finished, tmp_path)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--trust-task-code", "--eval-size", "2"]) == 0
+    out = capsys.readouterr()
+    checkpoint = run / "checkpoints" / "step_000002"
+    assert f"tether eval: scoring {checkpoint} (step 2 of 2) on 2 held-out problems" in out.err.splitlines()
+    result = json.loads(out.out)
+    assert (result["checkpoint"], result["step"], result["n"]) == (str(checkpoint), 2, 2)
+    assert main(["eval", "--model", "tiny", "--eval-size", "1"]) == 0
+    out = capsys.readouterr()
+    assert "tether eval: scoring the untrained model 'tiny' (step 0) on 1 held-out problems" in out.err.splitlines()
+    assert (json.loads(out.out)["checkpoint"], json.loads(out.out)["step"]) == (None, 0)
+
+
+# ------------------------------------------------------------------------------ issue 27, item 2: Ctrl-C
+def test_ctrl_c_prints_one_line_with_the_resume_command_and_loses_nothing(tmp_path):
+    """SIGINT to `tether train` (progress bar on) once step 2 is logged: exit status 130, no
+    traceback, and the last stderr line names the newest intact checkpoint (the one a resume
+    loads) and the exact --resume command. Resuming from it with --steps K+1 ends with the
+    metrics and weights of a clean (K+1)-step run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.train.test_recipe import _weights
+    from tether.train.checkpoint import newest_intact
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tether.train.cli", "train",
+           *[f"{k}={v}" for k, v in tiny_cfg(run, steps=500).__dict__.items()]]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    newest, _ = newest_intact(run)
+    step = int(newest.name.split("_")[1])
+    assert 1 <= step < 500, err  # the signal may land while step 2 is saved: then step 1 is the newest intact
+    assert err.splitlines()[-1] == (f"tether train: interrupted; the newest intact checkpoint is {newest} (step "
+                                    f"{step} of 500); continue with: tether train --resume {run}"), err
+    assert main(["train", "--quiet", "--resume", str(run), "--steps", str(step + 1)]) == 0
+    clean = tmp_path / "clean"
+    train(tiny_cfg(clean, steps=step + 1), progress=False)
+    assert _metrics(run) == _metrics(clean), (step, err)
+    assert_same_weights(_weights(run), _weights(clean))
+
+
+def test_ctrl_c_before_the_first_checkpoint_and_on_other_ranks(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the models load: one line saying no checkpoint exists yet (nothing written, so
+    no --overwrite needed), status 130. A copied recipe's line resumes with python COPY. A rank
+    started by tether's launcher, or a rank other than 0, prints nothing (its launcher or rank 0
+    speaks for the run)."""
+    from tether.train import recipe
+
+    finished_run = tmp_path / "copied"
+    train(tiny_cfg(finished_run, steps=1), progress=False)
+
+    def interrupt(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "build_run", interrupt)
+    run = tmp_path / "run"
+    args = ["train", "--quiet", *[f"{k}={v}" for k, v in tiny_cfg(run).__dict__.items()]]
+    assert main(args) == 130
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [f"tether train: interrupted before the first checkpoint of {run}: no checkpoint "
+                                    "exists yet, so there is nothing to resume; run the same command again to start "
+                                    "over."] and out.out == "" and not run.exists()
+
+    def stopped(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("sys.argv", ["my_recipe.py"])
+    copied = ["train", "--quiet", *[f"{k}={v}" for k, v in tiny_cfg(finished_run, steps=1).__dict__.items()]]
+    assert main(copied, train_fn=stopped) == 130
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"(step 1 of 1); continue with: python my_recipe.py --resume {finished_run}")
+    for env in ({"RANK": "1"}, {"RANK": "0", "TETHER_LAUNCHED": "1"}):
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert main(args) == 130
+        assert capsys.readouterr().err == ""

@@ -10,7 +10,8 @@ listing the keys present (the seed raised ``AttributeError`` while formatting it
 message); the estimator is selectable; per-sequence rewards ``[B, 1]`` (or ``[B, 1, 1]``) are broadcast over
 the tokens instead of being refused; the KL is written as ``[B, T]`` in the layout of the
 log-probs rather than as a strided nested tensor; the coefficient is a read/write
-``kl_coef`` so a controller can drive it.
+``kl_coef`` so a controller can drive it; a NaN log-prob inside the mask raises a ``ValueError``
+naming its key instead of reaching the adjusted reward.
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ def _check_aligned(gen: TokenGrid, ref: TokenGrid, keys: tuple[NestedKey, Nested
             f"{keys[0]!r} and {keys[1]!r} must hold one log-prob per token of the same "
             f"[B, T] tokens; got {detail}. Score both from the same ('tokens', 'full') (e.g. "
             "after a tokenizer whose pad == eos dropped the final eos from one of them)."
+        )
+
+
+def _check_no_nan(values: Tensor, mask: Tensor, key: NestedKey) -> None:
+    """Refuse NaN log-probs where the KL counts: they would reach the adjusted reward unseen."""
+    bad = mask & values.isnan()
+    if bool(bad.any()):
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{key!r}: expected log-probs that are not NaN inside the KL mask, got {int(bad.sum())} NaN (the "
+            f"first at row {row}, position {position}). NaN outside the mask is ignored; find what wrote NaN "
+            "there (a non-finite logit in the scoring forward)."
         )
 
 
@@ -164,6 +177,8 @@ class KLComputation(TensorDictModuleBase):
         _check_aligned(gen, ref, keys)
         mask = self._kl_mask(scopes, gen)
         ref_values = ref.values.to(gen.values.device)
+        _check_no_nan(gen.values, mask, keys[0])
+        _check_no_nan(ref_values, mask, keys[1])
         kl = torch.where(mask, kl_estimate(gen.values, ref_values, self.estimator), 0.0)
         target = scopes[0]
         target.set(self.kl_key, gen.restore(kl))

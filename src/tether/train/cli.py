@@ -7,7 +7,9 @@ RUN's config.yaml, and its flags and overrides may change only what a resume may
 
 A user error (bad command line, bad config, a directory holding another run, a damaged
 checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
-traceback. TRL ``GRPOConfig`` names are accepted as flags and keys (see ``trl_names``).
+traceback; Ctrl-C during ``train`` prints one line naming the checkpoint to resume from and
+exits with 130 (``tether.train.interrupt``). TRL ``GRPOConfig`` names are accepted as flags
+and keys (see ``trl_names``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import warnings
 from dataclasses import fields
@@ -33,13 +36,31 @@ _USER_ERRORS = (ValueError, KeyError, TaskError, OSError)
 SUBCOMMANDS = ("train", "eval", "export", "plot", "cp")
 
 
+class _ChoicesHelp(argparse.HelpFormatter):
+    """``--help`` shows a choice field's names (``--dtype {float32,bfloat16,...}``), read from its
+    registry only when help is printed: the registries import the models, which every other
+    command would otherwise pay for."""
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        from tether.train.config import config_choices
+
+        table = config_choices().get(action.dest) if hasattr(action, "field_type") else None
+        if table is not None:
+            return "{" + ",".join(table) + "}"
+        return getattr(action, "field_type", None) or super()._get_default_metavar_for_optional(action)
+
+
 def _train_parser(sub) -> None:
     # Flags default to None (meaning "not given", so --config and overrides can apply); the real
     # default is the config field's, written into each help line by hand.
-    p = sub.add_parser("train", help="GRPO with a KL leash on the embedded model (defaults) or --model.")
+    p = sub.add_parser("train", help="GRPO with a KL leash on the embedded model (defaults) or --model.",
+                       formatter_class=_ChoicesHelp)
     p.add_argument("--config", help="YAML file of config keys, applied before flags and key=value overrides.")
     p.add_argument("--resume", metavar="RUN_DIR", help="Continue RUN_DIR from its newest intact checkpoint with "
-                   "its config.yaml; flags may change only steps, the checkpoint cadence and threads.")
+                   "its config.yaml; flags may change only steps, the checkpoint cadence and threads. A finished "
+                   "run (its newest checkpoint at steps, summary.json written) is left as it is, with one line "
+                   "saying so: extend it with --steps N, score it with tether eval RUN_DIR. A run stopped during "
+                   "its final evaluation (no summary.json) runs that evaluation again.")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     for f in fields(TrainConfig):
         flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
@@ -48,8 +69,8 @@ def _train_parser(sub) -> None:
             if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true
                 p.add_argument(spelling, dest=f.name, default=None, action="store_true", help=shown)
             else:
-                p.add_argument(spelling, dest=f.name, default=None, metavar=type(f.default).__name__.upper(),
-                               help=shown)
+                action = p.add_argument(spelling, dest=f.name, default=None, help=shown)
+                action.field_type = type(f.default).__name__.upper()  # the metavar, unless a choice field's names
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Config overrides.")
     add_trl_flags(p, set(TrainConfig.field_names()))
 
@@ -97,12 +118,19 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
+    from tether.train.interrupt import report_interruption
     from tether.train.launch import launch, needs_launch, settle_nproc
     from tether.train.sharding import leave_ranks
 
+    cfg = None
     try:
         cfg = _config(args)
         cfg = settle_nproc(cfg, given=args.nproc is not None or cfg.nproc != 1).validate()
+        finished = _finished_run(cfg) if args.resume else None
+        if finished is not None:
+            if not int(os.environ.get("RANK", "0")):
+                print(finished)
+            return 0
         if needs_launch(cfg):
             if train_fn is not None:
                 raise ValueError(f"nproc={cfg.nproc}: a copied recipe runs in one process (the sharded launch "
@@ -112,11 +140,30 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
         leave_ranks()  # a sharded run: every rank ends its process group together
     except _USER_ERRORS as exc:
         return _fail("train", exc)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line naming the checkpoint to resume from, status 130
+        return report_interruption(cfg, exc, copied=train_fn is not None)
     if int(os.environ.get("RANK", "0")):
         return 0  # rank 0 alone reports a sharded run
     _print_summary(summary)
     print(f"  run directory              {cfg.out}")
     return 0
+
+
+def _finished_run(cfg: TrainConfig) -> str | None:
+    """The line for ``--resume`` of a run with nothing left to do (its newest intact checkpoint is
+    at ``steps`` and summary.json was written), or None: the resume goes on."""
+    from tether.train.checkpoint import CheckpointError, newest_intact, read_state
+
+    run_dir = Path(cfg.out)
+    try:
+        step = int(read_state(newest_intact(run_dir)[0])["step"])
+    except CheckpointError:
+        return None  # the resume reports what is wrong
+    if step != cfg.steps or not (run_dir / "summary.json").is_file():
+        return None
+    quoted = shlex.quote(str(run_dir))
+    return (f"tether train: {run_dir} is finished (step {step} of {cfg.steps}, summary.json written); nothing to "
+            f"resume. Train on with --resume {quoted} --steps N (N > {step}); score it with tether eval {quoted}.")
 
 
 def _train_fn(cfg: TrainConfig, given: Callable[..., dict] | None) -> Callable[..., dict]:
@@ -182,12 +229,19 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError("--best: give the run directory whose best checkpoint to score (tether eval RUN --best).")
     root = best_root(Path(args.run), required=True) if args.best else None
     run = build_run(cfg)
+    scored: dict[str, object] = {"checkpoint": None, "step": 0}
     if args.run:
-        open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size", "nproc"), root=root)
+        ckpt, _ = open_checkpoint(cfg, run.models, run.optimizer, allowed=(*RESUMABLE_KEYS, "eval_size", "nproc"),
+                                  root=root)
+        scored = {"checkpoint": str(ckpt.path), "step": ckpt.step}
+        what = f"{ckpt.path} (step {ckpt.step} of {cfg.steps})"
+    else:
+        what = f"the untrained model {cfg.model!r} (step 0)"
+    print(f"tether eval: scoring {what} on {len(run.held_out)} held-out problems", file=sys.stderr)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
                       scorer=run.scorer, prompt_format=cfg.prompt_format)
-    print(json.dumps(result.as_dict(), indent=1))
+    print(json.dumps({**scored, **result.as_dict()}, indent=1))
     return 0
 
 
@@ -248,13 +302,25 @@ def main(argv: list[str] | None = None, *, train_fn: Callable[..., dict] | None 
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     handlers = {"train": lambda a: cmd_train(a, train_fn), "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot,
                 "cp": cmd_cp}
-    # Warnings (a skipped damaged checkpoint) as one plain line, not with tether's source line.
     shown = warnings.formatwarning
-    warnings.formatwarning = lambda message, category, *_, **__: f"tether: {category.__name__}: {message}\n"
+    warnings.formatwarning = _warning_format(shown)
     try:
         return handlers[args.command](args)
     finally:
         warnings.formatwarning = shown
+
+
+def _warning_format(python_format: Callable[..., str]) -> Callable[..., str]:
+    """tether's own warnings (a skipped damaged checkpoint, a TRL name read) as one plain line, not
+    with tether's source line; another library's warning keeps Python's form, naming its file, so
+    it is not taken for tether's. A warning is tether's when its category is defined in tether."""
+
+    def format_warning(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.partition(".")[0] == "tether":
+            return f"tether: {category.__name__}: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    return format_warning
 
 
 if __name__ == "__main__":

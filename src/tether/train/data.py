@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ PROMPT_FORMATS: dict[str, str] = {
 }
 _READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv", ".parquet": "from_parquet"}
 _SPLIT_SEED = "tether-eval-split"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,14 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
 
     datasets.disable_progress_bars()
     source = Path(path)
+    if not source.exists() and _looks_like_hub_id(path):
+        raise ValueError(
+            f"{argument}: {path} is no local file or directory, and Hugging Face Hub dataset ids are not read: "
+            "tether reads datasets only from local files and directories (it reads models, not datasets, from "
+            "the local Hugging Face cache). Save it once where there is network, e.g. python -c \"import datasets; "
+            f"datasets.load_dataset('{path}', split='train').to_json('{Path(path).name}.jsonl')\" (add the config "
+            f"name if it has several), then pass --{argument.replace('_', '-')} {Path(path).name}.jsonl."
+        )
     if not source.exists():
         raise ValueError(f"{argument}: {path} does not exist; give a .jsonl, .csv or .parquet file or a "
                          "directory written by Dataset.save_to_disk.")
@@ -97,6 +107,11 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
     return rows
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``owner/name`` with no file suffix tether reads: a Hub dataset id rather than a mistyped path."""
+    return bool(_HUB_ID.fullmatch(path)) and Path(path).suffix.lower() not in _READERS
 
 
 def _load_saved(source: Path, argument: str):

@@ -13,9 +13,10 @@ was not trained on. What ``OUT`` holds:
   ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``. The embedded default model is
   loaded from GGUF but its weights are dense, so this is an ordinary float directory;
 
-and always the tokenizer files with the chat template, and ``tether_export.json`` (run,
-checkpoint, step, kind, base). The directory is written beside ``OUT`` and renamed into
-place, so a failed export leaves no partial ``OUT``.
+and always the tokenizer files with the chat template, and ``tether_export.json`` (the run's
+directory name, the checkpoint relative to the run, step, kind, base). Files get the mode a
+new file gets under the umask (safetensors writes 0600). The directory is written beside
+``OUT`` and renamed into place, so a failed export leaves no partial ``OUT``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def _save_model(policy: Any, lora: bool, merge: bool, target: Path) -> str:
     return "merged" if lora else "full"
 
 
+def _shareable_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the mode the umask gives a new file (0644 under 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, best: bool = False) -> ExportResult:
     """Write the policy of ``run_dir``'s newest intact (or best) checkpoint to ``out``."""
     run_dir, out = Path(run_dir), Path(out)
@@ -77,9 +86,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, bes
     try:
         kind = _save_model(models.policy, cfg.lora_rank > 0, merge, tmp)
         models.tokenizer.save_pretrained(str(tmp))
-        record = {"run": str(run_dir.resolve()), "checkpoint": str(ckpt.path.resolve()), "step": ckpt.step,
-                  "kind": kind, "base": ckpt.state["base"]}
+        # Names, not absolute paths: the directory is meant to be copied and shared.
+        record = {"run": run_dir.resolve().name, "checkpoint": os.path.relpath(ckpt.path, run_dir),
+                  "step": ckpt.step, "kind": kind, "base": ckpt.state["base"]}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1))
+        _shareable_modes(tmp)
         if out.is_dir():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

@@ -18,6 +18,8 @@ import sys
 
 from tether.train.config import TrainConfig
 
+LAUNCHED_ENV = "TETHER_LAUNCHED"  # set in the processes ``launch`` starts (tether.train.interrupt reads it)
+
 
 def world_size() -> int:
     """Processes in the torchrun group this process belongs to (1 when not started by torchrun)."""
@@ -67,5 +69,5 @@ def torchrun_command(argv: list[str], nproc: int, port: int) -> list[str]:
 
 def launch(argv: list[str], nproc: int) -> int:
     """Run ``tether train argv`` in ``nproc`` processes; torchrun's exit status."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED_ENV: "1"}
     return subprocess.run(torchrun_command(argv, nproc, free_port()), env=env, check=False).returncode

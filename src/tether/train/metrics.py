@@ -196,6 +196,12 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not run_dir.is_dir():
+        what = "is a file" if run_dir.exists() else "does not exist"
+        raise ValueError(f"{run_dir}: {what}; expected a run directory (the --out of tether train). Check the path.")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir}: holds no metrics.jsonl, so it is not a tether run directory; give the --out "
+                         "of a tether train run.")
     records = MetricsLog(run_dir / "metrics.jsonl").read()
     if not records:
         raise ValueError(f"{run_dir}/metrics.jsonl: no metrics to plot; run some steps first.")

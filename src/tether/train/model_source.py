@@ -5,6 +5,8 @@ Hugging Face directory, or a hub id whose snapshot is already in the local Huggi
 Nothing is ever downloaded: hub ids resolve through ``snapshot_download(local_files_only=True)``
 and every ``from_pretrained`` call passes ``local_files_only=True``, so an uncached id fails
 with one sentence saying how to fetch it, instead of a network error or a silent download.
+Weights are read from safetensors only: a directory whose weights are pickles
+(``pytorch_model.bin``, ``adapter_model.bin``) is refused by name before anything is loaded.
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ def model_directory(spec: str) -> Path:
         ) from exc
 
 
+def check_not_pickled(directory: Path, argument: str, *, weights: str = "model") -> None:
+    """Refuse ``directory`` when its ``weights`` (``model`` or ``adapter_model``) exist only as pickles.
+
+    Loading a pickle can run code, and transformers and PEFT fall back to one when no
+    safetensors file is there; tether never reads them (its own checkpoints pickle nothing)."""
+    safe = f"{weights}*.safetensors"
+    pickled = "pytorch_model*.bin" if weights == "model" else f"{weights}*.bin"
+    found = sorted(directory.glob(pickled))
+    if found and not any(directory.glob(safe)):
+        raise ValueError(
+            f"{argument}: expected safetensors weights ({safe}) in {directory}, got only the pickle {found[0]}; "
+            "tether refuses pickled weights, since loading one can run code. Convert it once where you trust "
+            "the file (load it with transformers or PEFT and save_pretrained, which writes safetensors), or "
+            "pass a directory with safetensors weights."
+        )
+
+
 def load_base(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
     """``(model in eval mode, tokenizer)`` for ``spec`` (see the module docstring), in ``dtype``."""
     if spec == "default":
@@ -60,8 +79,9 @@ def load_base(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_directory(spec)
+    check_not_pickled(path, "model")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, use_safetensors=True)
     return model.eval(), tokenizer
 
 
@@ -73,6 +93,7 @@ def load_adapter(base: nn.Module, path: str) -> nn.Module:
     if not (directory / "adapter_config.json").is_file():
         raise ValueError(f"adapter: expected a directory holding a PEFT adapter (adapter_config.json), got "
                          f"{path!r}; pass the directory that save_pretrained wrote.")
+    check_not_pickled(directory, "adapter", weights="adapter_model")
     config = peft.PeftConfig.from_pretrained(directory)
     if config.peft_type != peft.PeftType.LORA:
         raise ValueError(f"adapter: {path!r} holds a {config.peft_type.value} adapter; tether continues LoRA "

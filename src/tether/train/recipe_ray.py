@@ -30,6 +30,10 @@ from tether.train.run_dir import check_new_run_dir
 from tether.train.tasks import Problem
 
 
+class SampledKLNote(UserWarning):
+    """A Ray run reads the sampled KL where kl_signal asked for the exact one."""
+
+
 def ray_rollout(pool: Any) -> recipe.Rollout:
     """The rollout stage over a ``tether.ray.RolloutPool`` (held by rank 0 of a sharded learner)."""
 
@@ -61,7 +65,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         check_new_run_dir(cfg.validate())
     if cfg.kl_signal == "exact":
         warnings.warn("kl_signal=exact: the Ray ReferenceService returns log-probs only, so this run's leash and "
-                      "kl_bound read the sampled KL (the metrics' kl_signal says so).", stacklevel=2)
+                      "kl_bound read the sampled KL (the metrics' kl_signal says so).", SampledKLNote, stacklevel=2)
     run = build_run(cfg)
     pool = run.ranks.on_writer(lambda: start_workers(cfg))  # rank 0's; None on the others
     try:

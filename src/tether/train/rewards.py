@@ -2,23 +2,22 @@
 
 ``--reward-funcs FILE.py`` follows TRL's ``GRPOTrainer`` convention: each function is called
 once per batch by keyword, ``f(prompts=..., completions=..., completion_ids=..., **columns)``,
-with one entry per sample in every list (a prompt's dataset columns repeated for each of its
-``G`` answers), and returns one ``float`` or ``None`` per sample. With ``--prompt-format chat``
-a prompt is its list of messages and a completion ``[{"role": "assistant", "content": text}]``;
-with ``text`` both are strings. The functions are the file's ``REWARD_FUNCS`` list, or else
-every public function defined in the file, in order. ``--reward-model DIR`` adds a local
-sequence-classification model (``SequenceRewardModel``) as one more function, named after its
-directory, that scores the prompt and completion rendered as TRL does (chat template of the
-reward model's tokenizer, or the two strings joined).
+one entry per sample in every list (a prompt's columns repeated for each of its ``G``
+answers), and returns one ``float`` or ``None`` per sample. With ``--prompt-format chat`` a
+prompt is its messages and a completion ``[{"role": "assistant", "content": text}]``; with
+``text`` both are strings. The functions are the file's ``REWARD_FUNCS``, or else its public
+functions in order. ``--reward-model DIR`` adds a local sequence-classification model as one
+more function, named after its directory, scoring prompt and completion rendered as TRL does.
 
-A sample's reward is ``sum_i w_i r_i`` over the functions that apply to it; ``None`` means
-"does not apply" (TRL's ``nansum``). A sample to which no function applies is an error, not
-a reward of 0 (TRL warns and uses 0): its advantage would be computed from a number nobody
-gave. Each function's mean over the samples it applies to is logged under ``reward/<name>``.
+A sample's reward is ``sum_i w_i r_i`` over the functions that apply to it (``None``: does not
+apply, TRL's ``nansum``). A sample no function applies to is an error, not TRL's warning and
+0: its advantage would come from a number nobody gave. Each function's mean where it applies
+is logged under ``reward/<name>``.
 
-A function that raises, returns a list of the wrong length, something that is not a number,
-or a non-finite number raises ``RewardError`` naming the function, its file and the sample
-(found by calling the function again on each sample alone when the batch call raised).
+A function that raises or returns a wrong length, a non-number or a non-finite number raises
+``RewardError`` naming the function, its file and the sample (found by calling it on each
+sample alone when the batch call raised). With a dataset, a function whose signature the
+columns cannot fill is refused before any model loads.
 """
 
 from __future__ import annotations
@@ -114,10 +113,7 @@ class FunctionScorer:
     def _inputs(self, samples: Samples) -> dict[str, list]:
         chat = self.prompt_format == "chat"
         names = [k for p in samples.problems for k in p.columns]
-        clash = sorted(set(names) & set(_RESERVED))
-        if clash:
-            raise RewardError(f"dataset columns {clash} have the names of the reward functions' own arguments "
-                              f"{list(_RESERVED)}; rename those columns.")
+        _check_no_clash(names)
         columns = {k: [p.columns.get(k) for p in samples.problems] for k in dict.fromkeys(names)}
         return {"prompts": [p.chat if chat else p.text for p in samples.problems],
                 "completions": [[{"role": "assistant", "content": c}] if chat else c for c in samples.completions],
@@ -139,19 +135,48 @@ class FunctionScorer:
         return Scores(total.float(), _correct(self.task, samples), {k: v.float() for k, v in per_function.items()})
 
 
-def _call(func: RewardFunction, inputs: dict[str, list], n: int, samples: Samples, where: str) -> Any:
-    signature = inspect.signature(func.fn)
-    missing = [name for name, p in signature.parameters.items() if p.default is p.empty and name not in inputs
+def _check_no_clash(columns: list[str]) -> None:
+    clash = sorted(set(columns) & set(_RESERVED))
+    if clash:
+        raise RewardError(f"dataset columns {clash} have the names of the reward functions' own arguments "
+                          f"{list(_RESERVED)}; rename those columns.")
+
+
+def _check_arguments(func: RewardFunction, names: list[str], holder: str) -> None:
+    """Refuse ``func`` if a call with the keyword arguments ``names`` would fail to bind: a
+    required parameter ``holder`` (the batch, a dataset) lacks, or extra names and no ``**kwargs``."""
+    try:
+        signature = inspect.signature(func.fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself will tell
+        return
+    missing = [name for name, p in signature.parameters.items() if p.default is p.empty and name not in names
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if missing:
-        raise RewardError(f"reward function {func.name} ({func.origin}) needs {missing}, which the batch does not "
-                          f"have (its arguments: {sorted(inputs)}); add those columns to the dataset or give the "
+        raise RewardError(f"reward function {func.name} ({func.origin}) needs {missing}, which {holder} does not "
+                          f"have (its arguments: {sorted(names)}); add those columns to the dataset or give the "
                           "parameters defaults.")
     try:
-        signature.bind(**inputs)
+        signature.bind(**dict.fromkeys(names))
     except TypeError as exc:
         raise RewardError(f"reward function {func.name} ({func.origin}) cannot take the arguments "
-                          f"{sorted(inputs)} by keyword ({exc}); give it a **kwargs parameter.") from exc
+                          f"{sorted(names)} by keyword ({exc}); give it a **kwargs parameter.") from exc
+
+
+def check_dataset_arguments(functions: list[RewardFunction], task: Any) -> None:
+    """Refuse, before any model loads, reward functions that a dataset's columns cannot call.
+
+    Only a dataset's rows are all known up front; a task's problems are drawn step by step, so
+    its functions are checked at their first call."""
+    if not functions or isinstance(task, Task) or not hasattr(task, "held_out"):
+        return
+    columns = list(dict.fromkeys(k for p in (*task.train, *task.held_out) for k in p.columns))
+    _check_no_clash(columns)
+    for func in functions:
+        _check_arguments(func, [*_RESERVED, *columns], f"dataset {task.name}")
+
+
+def _call(func: RewardFunction, inputs: dict[str, list], n: int, samples: Samples, where: str) -> Any:
+    _check_arguments(func, list(inputs), "the batch")
     try:
         return func.fn(**inputs)
     except Exception as exc:  # user code: find the sample that breaks it
@@ -228,10 +253,12 @@ class RewardModelFunction:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from tether.models import SequenceRewardModel
+        from tether.train.model_source import check_not_pickled
 
+        check_not_pickled(Path(path), "reward_model")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, local_files_only=True, dtype=torch.float32).to(device).eval()
+            path, num_labels=1, local_files_only=True, dtype=torch.float32, use_safetensors=True).to(device).eval()
         if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"reward_model: {path}'s tokenizer has no chat template to render chat prompts; "
                              "use a reward model with one, or --prompt-format text.")
@@ -246,11 +273,21 @@ class RewardModelFunction:
         return torch.cat(scores).tolist()
 
 
-def build_scorer(cfg: Any, task: Any, device: torch.device) -> TaskScorer | FunctionScorer:
-    """The task's own reward, or ``cfg.reward_funcs`` and ``cfg.reward_model`` with their weights."""
+def reward_functions(cfg: Any, task: Any) -> list[RewardFunction]:
+    """The functions of ``cfg.reward_funcs`` (its file runs once, here), checked against a
+    dataset's columns; needs no model, so a run can fail before loading one."""
+    functions = load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else []
+    check_dataset_arguments(functions, task)
+    return functions
+
+
+def build_scorer(cfg: Any, task: Any, device: torch.device,
+                 functions: list[RewardFunction] | None = None) -> TaskScorer | FunctionScorer:
+    """The task's own reward, or ``cfg.reward_funcs`` (``functions`` when already loaded by
+    ``reward_functions``) and ``cfg.reward_model`` with their weights."""
     if not (cfg.reward_funcs or cfg.reward_model):
         return TaskScorer(task)
-    functions = load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else []
+    functions = list(reward_functions(cfg, task) if functions is None else functions)
     if cfg.reward_model:
         functions.append(RewardFunction(Path(cfg.reward_model).name,
                                         RewardModelFunction(cfg.reward_model, cfg.prompt_format, device),

@@ -20,7 +20,7 @@ from tether.train.best import BestEval
 from tether.train.config import TrainConfig
 from tether.train.data import check_prompt_format, dataset_task
 from tether.train.metrics import MetricsLog
-from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer
+from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import Models, build_models, reference_scorer
 from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
@@ -96,6 +96,7 @@ def build_run(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
     check_tool_task(task, cfg.workers)
+    functions = reward_functions(cfg, task)  # before the models: a dataset lacking a column fails first
     models = build_models(cfg)
     shard_models(models, ranks)  # before the optimizer takes the parameters
     tok = models.tokenizer
@@ -124,7 +125,7 @@ def build_run(cfg: TrainConfig) -> Run:
         scheduler=make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                     total_steps=cfg.steps),
         controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,
-        scorer=build_scorer(cfg, task, models.device), metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        scorer=build_scorer(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
         line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" else None,
     )

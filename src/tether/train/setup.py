@@ -33,6 +33,10 @@ from tether.train.devices import resolve_device, resolve_dtype
 from tether.train.model_source import adapter_digest, load_adapter, load_base
 
 
+class AdapterNote(UserWarning):
+    """A continued adapter's own rank, alpha and targets replace lora_rank, lora_alpha and lora_targets."""
+
+
 @dataclass
 class Models:
     policy: nn.Module
@@ -111,7 +115,7 @@ def _continued_adapter(base: nn.Module, tokenizer: Any, cfg: TrainConfig, prints
     lora = policy.peft_config["default"]
     warnings.warn(f"adapter {cfg.adapter}: continuing its LoRA (rank {lora.r}, alpha {lora.lora_alpha}, targets "
                   f"{sorted(lora.target_modules)}); lora_rank, lora_alpha and lora_targets are not used.",
-                  UserWarning, stacklevel=2)
+                  AdapterNote, stacklevel=2)
     prints = {**prints, "adapter": adapter_digest(policy)}
     reference = frozen_copy(policy)
     movable = reference if cfg.reference_update != "fixed" else None

@@ -51,7 +51,10 @@ _ONE_ROLLOUT = ("each step samples one batch of prompts_per_step x group_size an
 
 TRL_NAMES: dict[str, TRLName] = {
     # --- same setting, another name
-    "beta": TRLName("kl_coef", "TRL's k3 KL term in the loss is tether's default kl_mode=loss, kl_estimator=k3"),
+    "beta": TRLName("kl_coef", "TRL's beta is a constant coefficient, while tether's default kl_controller=target "
+                    "starts from this value and moves it every step to hold the KL at kl_target; pass "
+                    "--kl-controller constant to keep TRL's meaning. TRL's k3 KL term in the loss is tether's "
+                    "default kl_mode=loss, kl_estimator=k3"),
     "num_generations": TRLName("group_size", "answers sampled per prompt"),
     "max_completion_length": TRLName("max_new_tokens", "response length limit"),
     "num_iterations": TRLName("updates_per_rollout", "updates per sampled batch (mu)"),
@@ -70,7 +73,9 @@ TRL_NAMES: dict[str, TRLName] = {
         {**_flag("grpo", "dr_grpo"), "group": "grpo", "none": "dr_grpo"}),
     "importance_sampling_level": TRLName("ratio_level", "token (PPO/GRPO) or sequence (GSPO) ratio",
                                          {"token": "token", "sequence": "sequence"}),
-    "vllm_importance_sampling_cap": TRLName("importance_cap", "cap of the tis/mis sampler-mismatch weights"),
+    "vllm_importance_sampling_clip_max": TRLName("importance_cap", "cap of the tis/mis sampler-mismatch weights"),
+    "vllm_importance_sampling_cap": TRLName("importance_cap", "cap of the tis/mis sampler-mismatch weights (TRL's "
+                                            "older name for vllm_importance_sampling_clip_max)"),
     "max_steps": TRLName("steps", "optimizer steps"),
     "save_steps": TRLName("checkpoint_every", "steps between checkpoints"),
     "save_total_limit": TRLName("keep_checkpoints", "newest checkpoints kept"),
