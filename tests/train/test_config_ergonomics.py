@@ -44,15 +44,15 @@ def test_trl_names_map_to_tether_fields_with_one_note_each():
 
 
 def test_trl_beta_note_says_tether_moves_beta_and_the_current_cap_name_maps():
-    """TRL's beta is a fixed coefficient; tether's default target controller only starts from it,
-    so the note says so and names the flag that keeps TRL's meaning (the default stays target).
+    """TRL's beta is a fixed coefficient; tether's default budget controller only starts from it,
+    so the note says so and names the flag that keeps TRL's meaning (the default stays budget).
     TRL 1.16 calls the importance-weight cap vllm_importance_sampling_clip_max; the older name
     vllm_importance_sampling_cap still maps to the same key."""
     for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cfg = TrainConfig().override({"beta": 0.04, name: 3.5, "importance_correction": "tis"})
-        assert (cfg.kl_coef, cfg.importance_cap, cfg.kl_controller) == (0.04, 3.5, "target")
+        assert (cfg.kl_coef, cfg.importance_cap, cfg.kl_controller) == (0.04, 3.5, "budget")
         notes = [str(w.message) for w in caught if issubclass(w.category, TRLNameNote)]
         beta = [n for n in notes if n.startswith("TRL's beta=0.04 read as kl_coef=0.04")]
         assert len(beta) == 1 and "\n" not in beta[0]

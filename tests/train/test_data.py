@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_recipe import interrupted_train, tiny_cfg
+from tests.train.test_recipe import _metrics, interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
 from tether.train.data import check_data, dataset_task, read_rows, rows_to_problems, split_rows
 from tether.train.recipe import train
@@ -219,8 +219,7 @@ def test_interrupted_dataset_run_resumes_exactly_across_an_epoch(tmp_path, promp
     cut = data_cfg(tmp_path, path, **kw, out=str(tmp_path / "cut"))
     interrupted_train(cut, 2)
     train(cut, resume=True, progress=False)
-    strip = lambda run: [{k: v for k, v in json.loads(line).items() if k not in ("step_time", "tokens_per_s")}
-                         for line in (run / "metrics.jsonl").read_text().splitlines()]
+    strip = _metrics
     assert strip(tmp_path / "cut") == strip(tmp_path / "clean")
     assert [r["step"] for r in strip(tmp_path / "clean")] == [1, 2, 3, 4]
     assert all("reward/length" in r and "accuracy" not in r for r in strip(tmp_path / "clean"))

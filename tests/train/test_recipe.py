@@ -24,7 +24,7 @@ from tether.train.recipe import (RewardError, accumulate_gradients, add_advantag
 
 HERE = Path(__file__).parent
 COUNT_TASK = str(HERE / "count_task.py")
-TIMING_KEYS = {"step_time", "tokens_per_s"}
+TIMING_KEYS = {"step_time", "tokens_per_s", "kl_move_seconds"}
 
 
 def prepared(run, step: int = 0):

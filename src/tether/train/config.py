@@ -85,8 +85,8 @@ class TrainConfig:
     # --- KL leash
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
-    kl_coef: float = _f(0.2, "KL coefficient beta: the constant one, or the start of an adaptive or target controller.")
-    kl_controller: str = _f("budget", "'target' (moves beta every step to hold the KL at kl_target; kl_coef is its start), 'budget' (after each update measures the KL on the step's answers and, outside kl_target +-25 %, moves the weights along the line to the reference back into it; beta adapts slowly from kl_coef), 'constant' (beta = kl_coef) or 'adaptive' (Ziegler et al. 2019) control of beta.")
+    kl_coef: float = _f(0.2, "KL coefficient beta: the constant one, or the start of an adaptive, target or budget controller.")
+    kl_controller: str = _f("budget", "'budget' (after each update measures the KL on the step's answers and, outside 0.75-1.125 x kl_target, moves the weights along the line to the reference back to kl_target; beta adapts slowly from kl_coef), 'target' (moves beta every step to hold the KL at kl_target; kl_coef is its start), 'constant' (beta = kl_coef) or 'adaptive' (Ziegler et al. 2019) control of beta.")
     kl_target: float = _f(3.0, "KL the target or adaptive controller aims at: mean per-sequence summed KL (nats per answer).")
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
     kl_signal: str = _f("exact", "KL that kl_bound and the summary read: 'exact' (full-vocabulary KL at the answer tokens, computed in the loss pass from the reference's hidden states: two head projections, no extra forward) or 'sampled' (k1 along the sampled answers). Both are logged (kl_exact_* and kl_*); Ray runs and soft-capped heads have only the sampled one.")

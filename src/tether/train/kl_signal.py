@@ -35,6 +35,7 @@ k1 against the reference log-probs where there are none (Ray), one policy forwar
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,10 +114,11 @@ def answer_kl(actor: Any, record: StepRecord) -> Tensor:
 def hold_kl_budget(run: Any, record: StepRecord) -> dict[str, float]:
     """``kl_controller=budget``, after the optimizer step: the updated weights' mean KL per answer
     over every rank's rows, and, if it left the band, the weights moved back into it (the
-    controller's ``hold``); the move's record entries. Other controllers: nothing, ``{}``."""
+    controller's ``hold``); the move's record entries and the seconds it took. Other controllers:
+    nothing, ``{}``."""
     if not isinstance(run.controller, BudgetKLController):
         return {}
-    ranks, line = run.ranks, run.line
+    ranks, line, start = run.ranks, run.line, time.perf_counter()
     line.capture()
 
     def measure() -> float:
@@ -125,4 +127,5 @@ def hold_kl_budget(run: Any, record: StepRecord) -> dict[str, float]:
         total = ranks.total(torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]))
         return float(total[0] / total[1])
 
-    return run.controller.hold(line.place, measure).metrics()
+    move = run.controller.hold(line.place, measure).metrics()
+    return {**move, "kl_move_seconds": time.perf_counter() - start}  # what the budget cost this step

@@ -51,7 +51,7 @@ _ONE_ROLLOUT = ("each step samples one batch of prompts_per_step x group_size an
 
 TRL_NAMES: dict[str, TRLName] = {
     # --- same setting, another name
-    "beta": TRLName("kl_coef", "TRL's beta is a constant coefficient, while tether's default kl_controller=target "
+    "beta": TRLName("kl_coef", "TRL's beta is a constant coefficient, while tether's default kl_controller=budget "
                     "starts from this value and moves it every step to hold the KL at kl_target; pass "
                     "--kl-controller constant to keep TRL's meaning. TRL's k3 KL term in the loss is tether's "
                     "default kl_mode=loss, kl_estimator=k3"),
