@@ -80,13 +80,13 @@ def test_resume_cuts_tensorboard_and_completions_back(tmp_path):
 
 def test_plots_drop_constant_panels_and_mark_held_out_accuracy(tracked, tmp_path):
     """One update per rollout: clip fraction and ESS are constant (ratio 1), as are beta under a
-    constant controller and the LR of a constant schedule; the default (target) controller
+    constant controller and the LR of a constant schedule; the default (budget) controller
     moves beta. With two updates, a linear schedule and the default controller (the tracked
-    run) nothing is left out."""
+    run) nothing is left out, and the budget's scale and forwards get panels of their own."""
     assert constant_panels({}) == {"clip_fraction", "ess", "lr"}
     assert constant_panels({"kl_controller": "constant"}) == {"clip_fraction", "ess", "kl_coef", "lr"}
     assert constant_panels({"updates_per_rollout": 2, "kl_controller": "target", "warmup_steps": 1}) == set()
     drawn = {k for k, _, _ in plotted_panels(json.loads(json.dumps(TrainConfig().__dict__)))}
     assert drawn == {k for k, _, _ in PLOTTED} - {"clip_fraction", "ess", "lr"} and "kl_coef" in drawn
     plots = {p.stem for p in (tracked / "plots").glob("*.png")}
-    assert plots == {k for k, _, _ in PLOTTED} | {"overview"}
+    assert plots == {k for k, _, _ in PLOTTED} | {"kl_move_scale", "kl_move_forwards", "overview"}
