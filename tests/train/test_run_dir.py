@@ -292,7 +292,10 @@ def test_ctrl_c_prints_one_line_with_the_resume_command_and_loses_nothing(tmp_pa
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "tether.train.cli", "train",
            *[f"{k}={v}" for k, v in tiny_cfg(run, steps=500).__dict__.items()]]
+    # A shell's background job (``cmd &``) starts with SIGINT ignored, and Python keeps an ignored
+    # SIGINT ignored: the child gets the default disposition back, as a terminal's Ctrl-C would find it.
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             stderr=subprocess.PIPE, text=True)
     metrics, deadline = run / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and proc.poll() is None:
