@@ -1,6 +1,5 @@
-"""KL-coefficient controllers: a constant one, the adaptive one of Ziegler et al. (2019), and
-the registry that also names ``TargetKLController`` (``tether.control.target``) and
-``BudgetKLController`` (``tether.control.budget``).
+"""KL-coefficient controllers: constant, Ziegler et al.'s adaptive one (2019), and the registry
+that also names ``TargetKLController`` and ``BudgetKLController``.
 
 The adaptive rule is the proportional controller of "Fine-Tuning Language Models from Human
 Preferences" (section 2.2, as in openai/lm-human-preferences)::
@@ -15,14 +14,10 @@ Departures from the TorchRL seed, and why:
   it a padded per-token mean of ``-coef * kl`` and divided by ``coef`` afterwards, so the
   target silently changed meaning with the response length and the padding.
 * ``n_steps`` counts sequences (the paper's batch of episodes), not queue entries.
-* ``beta`` stays a plain Python float; the seed turned it into a tensor after one update.
-* Arguments are validated, and the coefficient is kept inside ``[min_coef, max_coef]``.
-  ``min_coef`` defaults to ``1e-6`` rather than 0: the update is multiplicative, so a
-  coefficient that reaches 0 could never grow again.
+* ``beta`` stays a Python float; arguments are validated; ``min_coef`` defaults to ``1e-6``,
+  not 0, since a multiplicative update cannot move a coefficient away from 0.
 
-A controller may drive any object exposing a read/write ``kl_coef`` attribute (reward
-transforms, losses, rollout helpers), or a list/tuple of such objects, so one controller can
-keep a reward penalty and a loss term in step.
+A controller drives any object (or list of objects) with a read/write ``kl_coef``.
 """
 
 from __future__ import annotations
