@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -254,6 +255,9 @@ def _trl_args(cfg, work: dict, output_dir: str):
 
     batch = cfg.prompts_per_step * cfg.group_size
     generation = None if work["natural_lengths"] else {"min_new_tokens": cfg.max_new_tokens}
+    # later transformers 5.x renamed TrainingArguments.gradient_checkpointing; the GPU image has 5.17
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     return GRPOConfig(
         output_dir=output_dir, use_cpu=work.get("device", "cpu") == "cpu", bf16=work.get("dtype") == "bfloat16",
         fp16=False, seed=cfg.seed, max_steps=work["steps"],
@@ -269,7 +273,7 @@ def _trl_args(cfg, work: dict, output_dir: str):
         max_completion_length=cfg.max_new_tokens, generation_kwargs=generation, temperature=cfg.temperature,
         # the loss: clipped ratio, k3 KL with the importance ratio, token mean over the step
         beta=cfg.kl_coef, epsilon=cfg.clip_epsilon, loss_type="dapo", scale_rewards="group",
-        activation_checkpointing=work["trl_gradient_checkpointing"], disable_dropout=True,
+        disable_dropout=True, **{checkpointing: work["trl_gradient_checkpointing"]},
     )
 
 

@@ -126,8 +126,8 @@ def _step(run, record):
 
 
 def _sampled_on(record, device):
-    """A copy of a freshly sampled ``record`` with its token grid where sampling on ``device`` puts
-    it (the group ids stay where ``recipe.sample`` makes them)."""
+    """A copy of a freshly sampled ``record`` with its token grid on ``device`` (the group ids and
+    rewards stay on the host, where ``recipe.sample`` and the reward stage make them)."""
     grid = ("tokens", "attention_mask", "assistant_mask", "sample_log_probs")
     return dataclasses.replace(record, **{name: getattr(record, name).to(device) for name in grid})
 
@@ -243,8 +243,12 @@ def test_a_step_on_cuda_equals_the_cpu_step(tmp_path, dtype):
     names = sorted(g_cpu)
     a, b = _flat(g_cpu, names), _flat({n: g.cpu() for n, g in g_gpu.items()}, names)
     assert float((a - b).norm() / a.norm()) < tol
-    gpu_batch = sample(gpu, step_problems(gpu, 0), 0)  # sampling runs on the GPU with the GPU generator
-    assert gpu_batch.tokens.is_cuda and len(gpu_batch) == len(batch)
+    # Sampling draws from the GPU generator; the record comes back to the host (as seen on an
+    # H200), and the loss moves each micro-batch to the device.
+    before = gpu.generator.get_state().clone()
+    gpu_batch = sample(gpu, step_problems(gpu, 0), 0)
+    assert not torch.equal(gpu.generator.get_state(), before)
+    assert gpu_batch.tokens.device.type == "cpu" and len(gpu_batch) == len(batch)
 
 
 def test_a_sampling_state_from_another_device_kind_is_a_named_error():

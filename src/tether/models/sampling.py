@@ -252,7 +252,7 @@ def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, m
         token, token_log_prob = pick(logits[:, -1])
         tokens[alive, step] = token
         log_probs[alive, step] = token_log_prob
-        lengths[alive] = step + 1
+        lengths.index_fill_(0, alive, step + 1)  # index assignment of a Python number copies it to the GPU: a sync
         ended = torch.isin(token, eos)
         finished[alive] = finished[alive] | ended  # no boolean-mask index: no host sync on CUDA
         ended = ended | (limits[alive] <= step + 1)

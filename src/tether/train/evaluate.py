@@ -88,7 +88,7 @@ def evaluate(
         if with_kl and reference is not None:
             kl = exact_kl_tokens(policy, reference, td["tokens", "full"], td["masks", "all_attention_mask"],
                                  temperature=temperature, where=response.bool())
-            kl_sum += (kl.double() * response).sum()
+            kl_sum += (kl.double() * response.to(kl.device)).sum().cpu()  # the wrapper's masks are on the host
     n = len(problems)
     return EvalResult(
         accuracy=float(torch.cat(correct).mean()) if n and correct[0] is not None else None,

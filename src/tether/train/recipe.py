@@ -99,7 +99,8 @@ def add_advantages(run: Run, record: StepRecord) -> None:
     """Advantage: group-normalised outcome advantages, plus the reward-to-go of the k1 penalty
     per token when the leash is in the reward."""
     mask = record.assistant_mask
-    advantage = group_advantages(record.rewards, record.group_ids, mode=run.cfg.advantage)[:, None]
+    # rewards and groups are host-side records; a record moved to the GPU keeps them there
+    advantage = group_advantages(record.rewards, record.group_ids, mode=run.cfg.advantage)[:, None].to(mask.device)
     if run.cfg.kl_mode == "reward":
         penalty = -run.leash.kl_coef * record.token_log_ratio()
         advantage = advantage + reward_to_go(penalty, mask)
