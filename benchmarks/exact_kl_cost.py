@@ -56,7 +56,7 @@ def main() -> None:
         "reference pass + kept hidden states": lambda: reference_pass(True),
         "separate exact pass": lambda: exact_kl_tokens(run.models.policy, run.models.reference, record.tokens,
                                                        record.attention_mask, where=record.assistant_mask),
-        "budget reading": lambda: torch.no_grad()(answer_kl)(run.loss.actor_network, record),
+        "budget reading": lambda: torch.no_grad()(answer_kl)(run.actor, record),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):

@@ -83,7 +83,7 @@ def test_without_reference_hidden_states_the_budget_reads_k1(tmp_path):
     _moved_away(run)
     record, _ = prepared(run)
     record.ref_hidden = None
-    got = answer_kl(run.loss.actor_network, record)
+    got = answer_kl(run.actor, record)
     with torch.no_grad():
         logits = run.models.policy(input_ids=record.tokens, attention_mask=record.attention_mask.long()).logits
         logp = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, record.tokens[:, 1:, None])[..., 0]

@@ -3,6 +3,7 @@ evaluation with a best checkpoint, and the loss variants as config fields (issue
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,6 +15,7 @@ from tether.objectives import RATIO_LEVELS
 from tether.ops import AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, aggregate_denominator
 from tether.train.cli import main
 from tether.train.config import TrainConfig
+from tether.train import recipe
 from tether.train.recipe import build_run, optimize, train
 from tether.train.schedule import LR_SCHEDULES, lr_multiplier
 from tether.train.updates import minibatch_bounds
@@ -23,34 +25,12 @@ def _scored_batch(run):
     return prepared(run)[0]
 
 
-def _spy_terms(run) -> list:
-    """Record the detached per-token terms of every ``token_terms`` call (one per micro-batch)."""
-    seen, original = [], run.loss.token_terms
-
-    def spy(td):
-        terms = original(td)
-        seen.append(terms.detach())
-        return terms
-
-    run.loss.token_terms = spy
-    return seen
-
-
-def _spy_ratio_gaps(run) -> list[torch.Tensor]:
-    """``log pi_old - log pi`` per token of every ``token_terms`` call, filled as the loss runs."""
-
-    class Gaps(list):
-        def __getitem__(self, i):
-            return terms[i].ratio_gap
-
-        def __len__(self):
-            return len(terms)
-
-        def __iter__(self):
-            return (t.ratio_gap for t in terms)
-
-    terms = _spy_terms(run)
-    return Gaps()
+def _per_update(run, batch, update) -> list:
+    """The per-token terms of each of the step's updates (``Update.terms`` holds them in order)."""
+    bounds = minibatch_bounds(len(batch), run.cfg.updates_per_rollout)
+    return [dataclasses.replace(update.terms, **{
+        f.name: None if getattr(update.terms, f.name) is None else getattr(update.terms, f.name)[b:e]
+        for f in dataclasses.fields(update.terms)}) for b, e in bounds]
 
 
 def test_one_update_per_rollout_is_bit_identical_to_the_single_update(tmp_path):
@@ -64,8 +44,8 @@ def test_one_update_per_rollout_is_bit_identical_to_the_single_update(tmp_path):
     denominator = aggregate_denominator(batch.assistant_mask, run.cfg.aggregation)
     run.optimizer.zero_grad(set_to_none=True)
     for begin in range(0, len(batch), run.cfg.micro_batch_size):
-        terms = run.loss.token_terms(batch.rows(begin, begin + run.cfg.micro_batch_size))
-        run.loss.reduce(terms, denominator=denominator).total_loss().backward()
+        terms = recipe.token_terms(run, batch.rows(begin, begin + run.cfg.micro_batch_size))
+        recipe.reduce(run, terms, denominator).total_loss().backward()
     params = [p for p in run.models.policy.parameters() if p.requires_grad]
     torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip)
     run.optimizer.step()
@@ -81,8 +61,8 @@ def test_second_update_is_off_policy_so_clip_and_ess_act(tmp_path):
     logged (whole-step) weights falls below 1."""
     run = build_run(tiny_cfg(tmp_path / "run", updates_per_rollout=2, learning_rate=3e-2, clip_epsilon=0.01))
     batch = _scored_batch(run)
-    gaps = _spy_ratio_gaps(run)
-    logged = optimize(run, batch, 0).output
+    update = optimize(run, batch, 0)
+    gaps, logged = [t.ratio_gap for t in _per_update(run, batch, update)], update.output
     assert len(gaps) == 2 and [g.shape[0] for g in gaps] == [3, 3]
     assert float(gaps[0].abs().max()) < 1e-5
     assert float(gaps[1].abs().max()) > 1e-2
@@ -97,8 +77,7 @@ def test_tis_with_several_updates_uses_the_stored_old_log_probs(tmp_path):
     run = build_run(tiny_cfg(tmp_path / "run", updates_per_rollout=3, learning_rate=3e-2,
                              importance_correction="tis", importance_cap=3.0))
     batch = _scored_batch(run)
-    gaps = _spy_ratio_gaps(run)
-    optimize(run, batch, 0)
+    gaps = [t.ratio_gap for t in _per_update(run, batch, optimize(run, batch, 0))]
     mask = batch.assistant_mask
     torch.testing.assert_close(batch.old_log_probs * mask, batch.sample_log_probs * mask, rtol=0, atol=1e-5)
     assert len(gaps) == 3 and float(gaps[0].abs().max()) < 1e-5
@@ -198,19 +177,16 @@ def test_config_choices_are_the_registries():
 
 
 def test_loss_variants_reach_the_loss(tmp_path):
-    """The config's loss variants are the loss's. GSPO's sequence ratio clips whole rows: in
-    the off-policy second update every valid token of a row is clipped or none is (per-row
-    advantage), and with a tight clip some row is."""
+    """The config's loss variants reach the recipe's loss (tests/train/test_recipe_loss.py holds
+    each equal to GRPOLoss's). GSPO's sequence ratio clips whole rows: in the off-policy second
+    update every valid token of a row is clipped or none is (per-row advantage), and with a
+    tight clip some row is."""
     cfg = tiny_cfg(tmp_path / "run", ratio_level="sequence", dual_clip=3.0, importance_correction="mis",
                    importance_cap=2.5, aggregation="seq-mean-token-sum", updates_per_rollout=2, learning_rate=3e-2,
                    clip_epsilon=0.002)
     run = build_run(cfg)
-    assert (run.loss.ratio_level, run.loss.dual_clip, run.loss.importance_correction, run.loss.importance_cap,
-            run.loss.aggregation) == ("sequence", 3.0, "mis", 2.5, "seq-mean-token-sum")
     batch = _scored_batch(run)
-    terms = _spy_terms(run)
-    optimize(run, batch, 0)
-    second = terms[1]
+    second = _per_update(run, batch, optimize(run, batch, 0))[1]
     rows = [clipped[m] for clipped, m in zip(second.clipped, second.mask)]
     assert all(bool((r == r[0]).all()) for r in rows if r.numel())
     assert any(bool(r.all()) and r.numel() for r in rows)

@@ -16,6 +16,7 @@ from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.train.devices import resolve_device
 from tether.train.model_source import load_base
+from tether.train import recipe
 from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample, score_rewards,
                                  step_problems, train)
 from tether.train.setup import build_models
@@ -121,7 +122,7 @@ def _stages(run, record):
 def _step(run, record):
     """One step's (loss, gradients as float64) on ``record`` (its stages filled in place)."""
     _stages(run, record)
-    loss = float(run.loss.reduce(accumulate_gradients(run, record)).total_loss())
+    loss = float(recipe.reduce(run, accumulate_gradients(run, record)).total_loss())
     return loss, {n: p.grad.double() for n, p in run.models.policy.named_parameters() if p.grad is not None}
 
 
@@ -207,9 +208,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, lora_rank):
     for run, b in ((plain, batch), (ckpt, again)):
         _stages(run, b)
         calls = _attention_calls(run.models.policy)
-        terms = run.loss.token_terms(b)
+        terms = recipe.token_terms(run, b)
         forward = calls[0]
-        run.loss.reduce(terms).total_loss().backward()
+        recipe.reduce(run, terms).total_loss().backward()
         counts.append((forward, calls[0] - forward))
     assert counts[0][0] > 0 and counts[0][1] == 0
     assert counts[1][0] > 0 and counts[1][1] == counts[1][0]

@@ -195,7 +195,7 @@ def test_cli_help_lists_field_docs(capsys):
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
 def test_logged_diagnostics_equal_one_full_batch_call_off_policy(tmp_path, aggregation):
-    """Micro-batch sizes 1, 3 and 6 log the diagnostics of one full-batch ``GRPOLoss`` call.
+    """Micro-batch sizes 1, 3 and 6 log the diagnostics of one full-batch call of the recipe's loss.
 
     The sampling log-probs are shifted by a per-token offset inside the assistant mask and the
     advantages have both signs, so the ratios are not 1, the clip acts and ESS < 1. ESS = (sum w)^2 / (n sum w^2) of the whole
@@ -212,7 +212,7 @@ def test_logged_diagnostics_equal_one_full_batch_call_off_policy(tmp_path, aggre
     signs = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None]  # so that both clip sides act
     record.advantages = signs.expand_as(mask) * mask
     with torch.no_grad():
-        full = run.loss.reduce(run.loss.token_terms(record))
+        full = recipe.reduce(run, recipe.token_terms(run, record))
     assert float(full.ESS) < 0.99 and float(full.clip_fraction) > 0
     for micro in (1, 3, len(record)):
         run.cfg.micro_batch_size = micro

@@ -122,7 +122,7 @@ def hold_kl_budget(run: Any, record: StepRecord) -> dict[str, float]:
 
     def measure() -> float:
         with ranks.unsharded():
-            kl = answer_kl(run.loss.actor_network, record)
+            kl = answer_kl(run.actor, record)
         total = ranks.total(torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]))
         return float(total[0] / total[1])
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -24,8 +25,9 @@ from tqdm import tqdm
 
 from tether.models.score_plan import row_slices
 from tether.models.step_record import StepRecord
-from tether.objectives import GRPOTokenTerms
-from tether.ops import aggregate_denominator, group_advantages, reward_to_go
+from tether.objectives import GRPOLossOutput, GRPOTokenTerms
+from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
+                        gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go)
 from tether.rollout import episode_metrics
 from tether.train.best import best_root, periodic_eval
 from tether.train.config import TrainConfig
@@ -107,45 +109,90 @@ def add_advantages(run: Run, record: StepRecord) -> None:
     record.advantages = advantage.expand_as(mask) * mask
 
 
+# ------------------------------------------------------------------------------ the loss
+def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
+    """Loss, per answer token ``[B, T]`` (0 elsewhere): the clipped surrogate of the policy ratio,
+    the entropy, the KL term of the leash, and the detached diagnostics. ``GRPOLoss`` with the
+    config's options computes the same terms (tests/train/test_recipe_loss.py)."""
+    cfg, mask = run.cfg, rows.assistant_mask & rows.attention_mask
+    scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden)
+    mask = mask.to(scored.log_probs.device)
+
+    def on_answers(values: torch.Tensor) -> torch.Tensor:  # padding may hold NaN: replaced, never multiplied
+        return torch.where(mask, values.to(scored.log_probs), 0.0)
+
+    logp, sampled = on_answers(scored.log_probs), on_answers(rows.sample_log_probs)
+    # The ratio's denominator: the sampler's log-probs, or under a TIS/MIS correction the trainer's
+    # own under the sampling weights (stored when several updates reuse the rollout, else these).
+    old = sampled if cfg.importance_correction == "none" else on_answers(
+        rows.old_log_probs if rows.old_log_probs is not None else logp.detach())
+    log_ratio = gspo_log_ratio(logp, old, mask) if cfg.ratio_level == "sequence" else torch.where(mask, logp - old, 0.0)
+    clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
+    surrogate = clipped_surrogate(log_ratio, on_answers(rows.advantages), clip_epsilon=clip, dual_clip=cfg.dual_clip or None)
+    policy = surrogate.loss
+    if cfg.importance_correction != "none":
+        policy = policy * importance_weights(old, sampled, mask, mode=cfg.importance_correction, cap=cfg.importance_cap)
+    entropy = on_answers(scored.entropy)
+    terms = GRPOTokenTerms(mask=mask, policy=policy, clipped=surrogate.clipped.to(logp.dtype),
+                           ratio_gap=torch.where(mask, old - logp.detach(), 0.0),
+                           log_weights=torch.where(mask, logp.detach() - sampled, 0.0),
+                           # at coefficient 0 the entropy is a diagnostic: backward skips its vocabulary-wide gradient
+                           entropy=entropy if cfg.entropy_coeff else entropy.detach())
+    if cfg.kl_mode == "loss":  # importance-weighted: the gradient of KL(pi || pi_ref) in expectation, also off-policy
+        ref = on_answers(rows.ref_log_probs)
+        terms.kl_to_ref_term = on_answers(kl_loss_term(logp, ref, estimator=cfg.kl_estimator, old_logp=sampled))
+        terms.kl_to_ref = on_answers(kl_estimate(logp.detach(), ref, cfg.kl_estimator))
+    if scored.exact_kl is not None:
+        terms.kl_to_ref_exact = on_answers(scored.exact_kl)
+    return terms
+
+
+def reduce(run: Run, terms: GRPOTokenTerms, denominator: torch.Tensor | None = None) -> GRPOLossOutput:
+    """The loss of ``terms`` through the one reduction, ``aggregate`` (``denominator`` replaces its
+    outer count, so micro-batches add up to their batch), and the diagnostics as token means."""
+    cfg, mask = run.cfg, terms.mask
+    normalizer = cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None
+    total = partial(aggregate, mask=mask, mode=cfg.aggregation, normalizer=normalizer, denominator=denominator)
+    mean = partial(aggregate, mask=mask, mode="token-mean")
+    leash = {} if terms.kl_to_ref_term is None else {
+        "loss_kl_to_ref": run.leash.kl_coef * total(terms.kl_to_ref_term), "kl_to_ref": mean(terms.kl_to_ref)}
+    return GRPOLossOutput(
+        loss_objective=total(terms.policy), loss_entropy=-cfg.entropy_coeff * total(terms.entropy), **leash,
+        clip_fraction=mean(terms.clipped), kl_approx=mean(terms.ratio_gap), entropy=mean(terms.entropy.detach()),
+        ESS=effective_sample_size(terms.log_weights, mask) / mask.sum().clamp_min(1).to(terms.log_weights.dtype),
+        kl_to_ref_exact=None if terms.kl_to_ref_exact is None else mean(terms.kl_to_ref_exact), batch_size=[])
+
+
+# ------------------------------------------------------------------------------ the update
 def optimize(run: Run, record: StepRecord, step: int) -> Update:
-    """Loss and step: ``updates_per_rollout`` optimizer steps over mini-batches of the record."""
-    cfg = run.cfg
-    if cfg.updates_per_rollout > 1 and run.loss.importance_correction is not None:
-        record.old_log_probs = store_old_log_probs(run.loss.actor_network, record, cfg.micro_batch_size)
-    kept: list[GRPOTokenTerms] = []
-    norms = [_update(run, record.rows(begin, end), kept, step)
-             for begin, end in minibatch_bounds(len(record), cfg.updates_per_rollout)]
+    """``updates_per_rollout`` optimizer steps, one a mini-batch of the record's rows; a non-finite
+    loss or gradient norm raises before the weights move. The per-token terms of every update,
+    reduced together, give the step's diagnostics (ESS is no token mean: it cannot be averaged)."""
+    cfg, kept, norms = run.cfg, [], []
+    if cfg.updates_per_rollout > 1 and cfg.importance_correction != "none":
+        record.old_log_probs = store_old_log_probs(run.actor, record, cfg.micro_batch_size)
+    params = [p for p in run.models.policy.parameters() if p.requires_grad]
+    for begin, end in minibatch_bounds(len(record), cfg.updates_per_rollout):
+        kept.append(accumulate_gradients(run, record.rows(begin, end)))
+        loss = float(reduce(run, kept[-1]).total_loss())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))))
+        check_finite_update(loss, norms[-1], step, run.dir)
+        run.optimizer.step()
     terms = gather_terms(run.ranks, GRPOTokenTerms.cat(kept))  # every rank's rows
-    return Update(run.loss.reduce(terms), sum(norms) / len(norms), terms)
+    return Update(reduce(run, terms), sum(norms) / len(norms), terms)
 
 
 def accumulate_gradients(run: Run, record: StepRecord) -> GRPOTokenTerms:
-    """Loss: the gradient of ``record``'s loss, micro-batch by micro-batch, against the full
-    record's denominator; returns the detached per-token terms of all its rows.
-
-    Reducing those terms once over the batch gives every diagnostic of one full-batch call (ESS
-    is no token mean, so averaging micro-batch values of it would be wrong)."""
+    """The gradient of ``record``'s loss, micro-batch by micro-batch against the whole record's
+    denominator; returns the detached per-token terms of all its rows."""
     denominator = run.ranks.total(aggregate_denominator(record.assistant_mask, run.cfg.aggregation))
     run.optimizer.zero_grad(set_to_none=True)
     kept = []
     for begin, end in row_slices(len(record), run.cfg.micro_batch_size):
-        terms = run.loss.token_terms(record.rows(begin, end))
-        run.loss.reduce(terms, denominator=denominator).total_loss().backward()
+        terms = token_terms(run, record.rows(begin, end))
+        reduce(run, terms, denominator).total_loss().backward()
         kept.append(terms.detach())
     return GRPOTokenTerms.cat(kept)
-
-
-def _update(run: Run, record: StepRecord, kept: list[GRPOTokenTerms], step: int) -> float:
-    """One optimizer step (its terms appended to ``kept``); a non-finite loss or gradient norm
-    raises before the weights move."""
-    cfg = run.cfg
-    kept.append(accumulate_gradients(run, record))
-    loss = float(run.loss.reduce(kept[-1]).total_loss())
-    params = [p for p in run.models.policy.parameters() if p.requires_grad]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf")))
-    check_finite_update(loss, norm, step, run.dir)
-    run.optimizer.step()
-    return norm
 
 
 def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]:

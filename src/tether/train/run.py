@@ -1,5 +1,5 @@
-"""The run a recipe steps: what is built once from the config (models, sampler, loss,
-optimizer, schedule, KL controller, reference updater, reward scorer, logs), validated
+"""The run a recipe steps: what is built once from the config (models, sampler, the policy's
+scorer for the loss pass, optimizer, schedule, KL controller, reference updater, reward scorer, logs), validated
 before anything is written. ``build_run`` is the "config -> models" part of the recipes.
 """
 
@@ -15,7 +15,6 @@ from tether.control import KLController, make_kl_controller
 from tether.ops.registry import lookup
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.reference_line import ReferenceLine
-from tether.objectives import GRPOLoss
 from tether.train.best import BestEval
 from tether.train.config import TrainConfig
 from tether.train.data import check_prompt_format, dataset_task
@@ -30,9 +29,9 @@ from tether.train.tracking import NullTracker
 
 
 @dataclass
-class KLPenalty:
-    """The coefficient of the reward-mode KL penalty: what a controller drives when the leash
-    is in the reward rather than in the loss (there it drives ``GRPOLoss.kl_coef``)."""
+class Leash:
+    """The leash's beta: the KL coefficient a controller drives, read by the recipe's loss term
+    (``kl_mode=loss``) or its per-token reward penalty (``kl_mode=reward``)."""
 
     kl_coef: float
 
@@ -48,11 +47,11 @@ class Run:
     models: Models
     sampler: TransformersWrapper
     ref_scorer: TransformersWrapper
-    loss: GRPOLoss
+    actor: TransformersWrapper  # the policy's log-probs and entropy in the loss pass, with gradients
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     controller: KLController  # drives ``leash``
-    leash: GRPOLoss | KLPenalty  # the object whose kl_coef is the leash's beta
+    leash: Leash
     ref_updater: ReferenceUpdater | None
     generator: torch.Generator
     scorer: TaskScorer | FunctionScorer
@@ -68,24 +67,12 @@ class Run:
         return {p.key for p in self.held_out}
 
 
-def _controller(cfg: TrainConfig, leash: GRPOLoss | KLPenalty) -> Any:
+def _controller(cfg: TrainConfig, leash: Leash) -> Any:
     options = {"adaptive": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target, "horizon": cfg.kl_horizon},
                "target": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
                "budget": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
                "constant": {"kl_coef": cfg.kl_coef}}
     return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
-
-
-def _loss(cfg: TrainConfig, actor: TransformersWrapper) -> GRPOLoss:
-    in_loss = cfg.kl_mode == "loss"
-    return GRPOLoss(
-        actor, clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon,
-        entropy_bonus=True, entropy_coeff=cfg.entropy_coeff, aggregation=cfg.aggregation,
-        kl_estimator=cfg.kl_estimator if in_loss else "k3", kl_to_ref_coeff=cfg.kl_coef if in_loss else None,
-        normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
-        ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
-        importance_correction=None if cfg.importance_correction == "none" else cfg.importance_correction,
-    )
 
 
 def build_run(cfg: TrainConfig) -> Run:
@@ -108,9 +95,8 @@ def build_run(cfg: TrainConfig) -> Run:
         generate=True, temperature=cfg.temperature,
         generate_kwargs={"max_new_tokens": cfg.max_new_tokens, "generator": generator},
     )
-    loss = _loss(cfg, TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False,
-                                          temperature=cfg.temperature))
-    leash = loss if cfg.kl_mode == "loss" else KLPenalty(cfg.kl_coef)
+    actor = TransformersWrapper(models.policy, tok, input_mode="tokens", generate=False, temperature=cfg.temperature)
+    leash = Leash(cfg.kl_coef)
     optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],
                                   lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     ref_updater = None
@@ -121,7 +107,7 @@ def build_run(cfg: TrainConfig) -> Run:
     run_dir = Path(cfg.out)  # created by train() once everything has loaded
     run = Run(
         cfg=cfg, dir=run_dir, task=task, held_out=task.eval_set(cfg.eval_size), models=models, sampler=sampler,
-        ref_scorer=reference_scorer(models, cfg), loss=loss, optimizer=optimizer,
+        ref_scorer=reference_scorer(models, cfg), actor=actor, optimizer=optimizer,
         scheduler=make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                     total_steps=cfg.steps),
         controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,

@@ -286,8 +286,7 @@ def share_run(run: Any) -> None:
         raise ValueError(f"task: the multi-turn tool task {run.cfg.task!r} is not supported with nproc="
                          f"{ranks.size}; use nproc=1.")
     run.sampler.generate_kwargs["draw"] = SharedDraw(ranks)
-    actor = run.loss.actor_network
-    actor.token_budget, actor.share_prefix = sys.maxsize, False
+    run.actor.token_budget, run.actor.share_prefix = sys.maxsize, False
 
 
 # ------------------------------------------------------------------------------ whole-batch views
