@@ -1,10 +1,11 @@
 """The GRPO recipe with a KL leash, in one process: config -> models -> rollout -> reward ->
-reference -> advantage -> loss -> step -> log, once per step, with exact resume.
+reference -> advantage -> loss -> update -> log, once per step, with exact resume.
 
 Each step samples ``group_size`` answers to each of ``prompts_per_step`` problems into a
 ``StepRecord``; the stages below fill its rewards, reference log-probs and advantages, and
-``updates_per_rollout`` optimizer steps of ``GRPOLoss`` read it, accumulating gradients over
-micro-batches against full-batch denominators. The KL leash is a loss term (default) or a k1
+``updates_per_rollout`` optimizer steps train on it with the loss written here (the terms of
+the library's ``GRPOLoss``, which a test holds it equal to), accumulating gradients over
+micro-batches against whole-batch denominators. The KL leash is a loss term (default) or a k1
 per-token reward penalty with reward-to-go; a controller sets its beta from the measured KL.
 
 Copy this file to change the algorithm (``tether cp recipe my_recipe.py``; run the copy with
@@ -14,7 +15,6 @@ stages with rollouts on Ray workers.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from functools import partial
@@ -29,20 +29,18 @@ from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
                         gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go)
 from tether.rollout import episode_metrics
-from tether.train.best import best_root, periodic_eval
 from tether.train.config import TrainConfig
 from tether.train.data import prompt_batch
 from tether.train.kl_signal import has_exact_kl, hold_kl_budget, measure_kl
-from tether.train.metrics import plot_metrics
 from tether.train.rewards import RewardError, Samples, Scores
 from tether.train.run import Run, build_run
-from tether.train.run_dir import check_new_run_dir, checkpoint_record, start_new_run
-from tether.train.run_state import restore_run, save_run
+from tether.train.run_dir import check_new_run_dir
+from tether.train.run_state import close_run, close_step, open_run
 from tether.train.sharding import gather_scores, gather_terms
-from tether.train.summary import evaluate_run, summarize, with_checkpoints
+from tether.train.summary import with_checkpoints
 from tether.train.tasks import Problem
 from tether.train.tool_rollout import tool_rollout
-from tether.train.tracking import log_completions, make_tracker
+from tether.train.tracking import log_completions
 from tether.train.updates import Update, check_finite_update, minibatch_bounds, store_old_log_probs
 
 Rollout = Callable[[Run, list[Problem], int], StepRecord]
@@ -52,8 +50,7 @@ Rollout = Callable[[Run, list[Problem], int], StepRecord]
 def step_problems(run: Run, step: int, *, every_rank: bool = False) -> list[Problem]:
     """This rank's share of the step's problems (all of them in one process or with
     ``every_rank``), each repeated ``group_size`` times: a pure function of (seed, step)."""
-    cfg = run.cfg
-    first = step * cfg.prompts_per_step
+    cfg, first = run.cfg, step * run.cfg.prompts_per_step
     share = range(cfg.prompts_per_step) if every_rank else run.ranks.share(cfg.prompts_per_step)
     problems = [run.task.train_problem(cfg.seed, first + i, run.excluded) for i in share]
     return [p for p in problems for _ in range(cfg.group_size)]
@@ -100,8 +97,7 @@ def add_reference(run: Run, record: StepRecord) -> None:
 def add_advantages(run: Run, record: StepRecord) -> None:
     """Advantage: group-normalised outcome advantages, plus the reward-to-go of the k1 penalty
     per token when the leash is in the reward."""
-    mask = record.assistant_mask
-    # rewards and groups are host-side records; a record moved to the GPU keeps them there
+    mask = record.assistant_mask  # rewards and groups stay on the host: moved to the mask's device
     advantage = group_advantages(record.rewards, record.group_ids, mode=run.cfg.advantage)[:, None].to(mask.device)
     if run.cfg.kl_mode == "reward":
         penalty = -run.leash.kl_coef * record.token_log_ratio()
@@ -122,8 +118,8 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
         return torch.where(mask, values.to(scored.log_probs), 0.0)
 
     logp, sampled = on_answers(scored.log_probs), on_answers(rows.sample_log_probs)
-    # The ratio's denominator: the sampler's log-probs, or under a TIS/MIS correction the trainer's
-    # own under the sampling weights (stored when several updates reuse the rollout, else these).
+    # The ratio's denominator: the sampler's log-probs, or under TIS/MIS the trainer's own under the
+    # sampling weights (stored when several updates reuse the rollout; else the current ones).
     old = sampled if cfg.importance_correction == "none" else on_answers(
         rows.old_log_probs if rows.old_log_probs is not None else logp.detach())
     log_ratio = gspo_log_ratio(logp, old, mask) if cfg.ratio_level == "sequence" else torch.where(mask, logp - old, 0.0)
@@ -196,6 +192,7 @@ def accumulate_gradients(run: Run, record: StepRecord) -> GRPOTokenTerms:
 
 
 def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]:
+    """One step, every stage in order; returns its metrics record."""
     cfg, ranks, start = run.cfg, run.ranks, time.perf_counter()
     problems = step_problems(run, step)
     with ranks.unsharded():  # sharded learner: no FSDP collective inside the no-grad passes
@@ -220,22 +217,13 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
                         scores.correct)
     scores, out, elapsed = gather_scores(ranks, scores), update.output, time.perf_counter() - start
     return {
-        "step": step + 1,
-        "reward_mean": float(scores.total.mean()),
-        "reward_std": float(scores.total.std()),
+        "step": step + 1, "reward_mean": float(scores.total.mean()), "reward_std": float(scores.total.std()),
         **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
-        **kl.metrics(cfg.kl_bound),
-        "kl_coef": kl_coef,
-        **move,
-        "clip_fraction": float(out.clip_fraction),
-        "ess": float(out.ESS),
-        "entropy": float(out.entropy) if out.entropy is not None else float("nan"),
-        "response_length": float(update.terms.mask.sum(-1).float().mean()),
-        "grad_norm": update.grad_norm,
-        "lr": lr,
-        "loss": float(out.total_loss()),
-        "step_time": elapsed,
+        **kl.metrics(cfg.kl_bound), "kl_coef": kl_coef, **move,
+        "clip_fraction": float(out.clip_fraction), "ess": float(out.ESS), "entropy": float(out.entropy),
+        "response_length": float(update.terms.mask.sum(-1).float().mean()), "grad_norm": update.grad_norm, "lr": lr,
+        "loss": float(out.total_loss()), "step_time": elapsed,
         "tokens_per_s": float(ranks.total(record.attention_mask.sum())) / elapsed,
         **(episode_metrics(record.episode) if record.episode else {}),
     }
@@ -244,49 +232,24 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
 # ------------------------------------------------------------------------------ main loop
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, rollout: Rollout = sample,
           run: Run | None = None) -> dict[str, Any]:
-    """Run (or resume) training; returns the summary also written to ``summary.json``.
-    ``rollout`` and ``run`` let another topology (``tether.train.recipe_ray``) reuse the loop; a
-    caller that passes ``run`` has checked ``cfg.out`` with ``check_new_run_dir`` before building it."""
+    """Run (or resume) training; returns the summary also written to ``summary.json``. ``rollout``
+    and ``run`` let another topology (``recipe_ray``) reuse the loop; a caller that passes ``run``
+    has checked ``cfg.out`` with ``check_new_run_dir`` before building it."""
     if run is None:
-        if not resume:
-            # Every rank checks before build_run's first collective: after it, rank 0 may already
-            # have written config.yaml, and a later check on another rank would see its own run.
+        if not resume:  # every rank checks before build_run's first collective, after which rank 0 writes
             check_new_run_dir(cfg.validate())
         run = build_run(cfg)
-    writer = run.ranks.writer  # a sharded learner's rank 0 alone writes the run directory
     try:
-        wall = time.perf_counter()
-        if resume:
-            start, state = restore_run(run)
-            before = state["eval_before"]
-        else:
-            run.ranks.on_writer(lambda: start_new_run(cfg))
-            before, start = evaluate_run(run, None, with_kl=False), 0
-        if writer:
-            run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
-        extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
-                 "data": getattr(run.task, "fingerprint", None)}
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="tether train",
-                   disable=not (progress and writer), dynamic_ncols=True)
+        opened = open_run(run, resume=resume)
+        bar = tqdm(range(opened.start, cfg.steps), initial=opened.start, total=cfg.steps, desc="tether train",
+                   disable=not (progress and run.ranks.writer), dynamic_ncols=True)
         for step in bar:
             record = train_step(run, step, rollout)
-            if periodic_eval(run, step + 1, record):
-                save_run(run, step + 1, extra, root=best_root(run.dir), keep=1)
-            if writer:
-                run.metrics.append(record)
-            run.tracker.scalars(record)
+            close_step(run, opened, record)
             accuracy = {"acc": f"{record['accuracy']:.2f}"} if "accuracy" in record else {}  # none in dataset runs
             bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **accuracy, kl=f"{record['kl_per_seq']:.3f}",
                             beta=f"{record['kl_coef']:.3g}")
-            if step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
-                save_run(run, step + 1, extra)
-        after = evaluate_run(run, run.models.reference)
-        if not writer:
-            return {}
-        summary = summarize(run, before, after, time.perf_counter() - wall)
-        (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        plot_metrics(run.dir)
-        return summary
+        return close_run(run, opened)
     finally:
         run.tracker.close()
 

@@ -1,22 +1,30 @@
-"""A run's state between processes: what a checkpoint holds beyond the weights, and how a
-resume puts every piece back (RNGs, controller, schedule, reference updater, best eval,
-logs cut back to the checkpoint's step), so a resumed run ends bit-identical to one that
-was never stopped (on CPU).
+"""A run's life around the recipe's steps: opened (new, or resumed from its newest checkpoint),
+each step's record logged and checkpointed at its cadence, closed with the final evaluation and
+the summary. A checkpoint holds the state beyond the weights, and a resume puts every piece back
+(RNGs, controller, schedule, reference updater, best eval, logs cut back to the checkpoint's
+step), so a resumed run ends bit-identical to one that was never stopped (on CPU). With a
+sharded learner, rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tether.train.best import best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
 from tether.train.data import check_data
 from tether.train.devices import load_generator_state
+from tether.train.metrics import plot_metrics
 from tether.train.run import Run
-from tether.train.run_dir import open_checkpoint, write_config
-from tether.train.tracking import CompletionLog
+from tether.train.run_dir import checkpoint_record, open_checkpoint, start_new_run, write_config
+from tether.train.summary import evaluate_run, summarize
+from tether.train.tracking import CompletionLog, make_tracker
 
 
 def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -59,3 +67,56 @@ def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
         CompletionLog(run.dir).truncate_after(ckpt.step)
         write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
     return ckpt.step, ckpt.state
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Where an opened run starts: its first step, the evaluation before training, the entries
+    every checkpoint's state.json carries, and the wall clock at the start."""
+
+    start: int
+    eval_before: dict[str, Any]
+    extra: dict[str, Any]
+    wall: float
+
+
+def open_run(run: Run, *, resume: bool) -> Opened:
+    """Resume ``run`` from its newest checkpoint, or start its directory and evaluate the untrained
+    policy; then open its tracker."""
+    cfg, wall = run.cfg, time.perf_counter()
+    if resume:
+        start, state = restore_run(run)
+        before = state["eval_before"]
+    else:
+        run.ranks.on_writer(lambda: start_new_run(cfg))
+        before, start = evaluate_run(run, None, with_kl=False), 0
+    if run.ranks.writer:
+        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
+    extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
+             "data": getattr(run.task, "fingerprint", None)}
+    return Opened(start, before, extra, wall)
+
+
+def close_step(run: Run, opened: Opened, record: dict[str, Any]) -> None:
+    """After a step: the periodic evaluation (and best checkpoint), the record logged, and the
+    checkpoint at its cadence (always after the last step)."""
+    cfg, done = run.cfg, record["step"]
+    if periodic_eval(run, done, record):
+        save_run(run, done, opened.extra, root=best_root(run.dir), keep=1)
+    if run.ranks.writer:
+        run.metrics.append(record)
+    run.tracker.scalars(record)
+    if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+        save_run(run, done, opened.extra)
+
+
+def close_run(run: Run, opened: Opened) -> dict[str, Any]:
+    """The final evaluation, then ``summary.json`` and the plots; returns the summary ({} on a
+    rank that does not write)."""
+    after = evaluate_run(run, run.models.reference)
+    if not run.ranks.writer:
+        return {}
+    summary = summarize(run, opened.eval_before, after, time.perf_counter() - opened.wall)
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_metrics(run.dir)
+    return summary
