@@ -160,3 +160,24 @@ def test_one_rank_views_are_identities():
     ranks, value = Ranks(), torch.arange(6.0).view(2, 3)
     assert ranks.writer and list(ranks.share(12)) == list(range(12))
     assert ranks.total(value) is value and ranks.rows(value) is value and ranks.parts(value) == [value]
+
+
+def test_a_copied_recipe_runs_its_own_stages_on_two_ranks(lora_runs, tmp_path):
+    """``tether cp recipe`` then ``python COPY --nproc 2``: the copy starts torchrun on itself, its
+    own stages run on each rank (its extra metric reads the world size), and the run is the
+    shipped recipe's 2-rank run."""
+    dest = tmp_path / "my_recipe.py"
+    assert main(["cp", "recipe", str(dest)]) == 0
+    source = dest.read_text()
+    dest.write_text(source.replace('"step": step + 1,', '"step": step + 1, "my_ranks": float(run.ranks.size),'))
+    out = tmp_path / "copy"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    flags = [f"{k}={v}" for k, v in _flags(out, lora_rank=4, learning_rate=1e-2).items()]
+    done = subprocess.run([sys.executable, str(dest), "--quiet", "--nproc", "2", *flags], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mine = _metrics(out)
+    assert [r.pop("my_ranks") for r in mine] == [2.0, 2.0]
+    assert mine == _metrics(lora_runs[1])
+    a, b = _weights(out), _weights(lora_runs[1])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

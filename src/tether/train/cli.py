@@ -19,9 +19,11 @@ import json
 import os
 import shlex
 import sys
+import functools
 import warnings
 from dataclasses import fields
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 from tether.train.cli_parser import Parser, add_trl_flags, trl_flag_values
@@ -131,11 +133,8 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
             if not int(os.environ.get("RANK", "0")):
                 print(finished)
             return 0
-        if needs_launch(cfg):
-            if train_fn is not None:
-                raise ValueError(f"nproc={cfg.nproc}: a copied recipe runs in one process (the sharded launch "
-                                 "starts tether's own recipe); drop --nproc, or launch your copy under torchrun.")
-            return launch(args.argv, cfg.nproc)  # the launching process trains nothing
+        if needs_launch(cfg):  # the launching process trains nothing; a copied recipe's ranks run the copy
+            return launch(args.argv, cfg.nproc, script=None if train_fn is None else _recipe_of(train_fn).__file__)
         summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
         leave_ranks()  # a sharded run: every rank ends its process group together
     except _USER_ERRORS as exc:
@@ -167,18 +166,28 @@ def _finished_run(cfg: TrainConfig) -> str | None:
 
 
 def _train_fn(cfg: TrainConfig, given: Callable[..., dict] | None) -> Callable[..., dict]:
-    """The recipe that runs ``cfg``: a copied recipe's own ``train``, the Ray recipe with
-    ``workers > 0``, else the single-process one."""
+    """The recipe that runs ``cfg``: a copied recipe's own ``train`` (its stages on sharded ranks
+    with ``nproc > 1``), the Ray recipe with ``workers > 0``, the sharded one with ``nproc > 1``,
+    else the single-process one."""
+    from tether.train import recipe_sharded
+
     if given is not None:
         if cfg.workers > 0:
             raise ValueError(f"workers={cfg.workers}: a copied recipe runs in one process; run the Ray topology "
                              "with tether train --workers N, or copy tether.train.recipe_ray too.")
-        return given
+        return functools.partial(recipe_sharded.train, recipe=_recipe_of(given)) if cfg.nproc > 1 else given
     if cfg.workers > 0:
         from tether.train.recipe_ray import train
+    elif cfg.nproc > 1:
+        train = recipe_sharded.train
     else:
         from tether.train.recipe import train
     return train
+
+
+def _recipe_of(train_fn: Callable[..., dict]) -> ModuleType:
+    """The module (a copied recipe's file) whose ``train`` is ``train_fn``."""
+    return sys.modules[train_fn.__module__]
 
 
 def cmd_cp(args: argparse.Namespace) -> int:

@@ -52,8 +52,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def torchrun_command(argv: list[str], nproc: int, port: int) -> list[str]:
-    """The command that runs ``tether train`` with ``argv`` in ``nproc`` processes on this machine.
+def torchrun_command(argv: list[str], nproc: int, port: int, *, script: str | None = None) -> list[str]:
+    """The command that runs ``tether train`` with ``argv`` in ``nproc`` processes on this machine;
+    with ``script`` (a copied recipe's file) each process runs ``python script argv`` instead.
 
     ``--nproc`` is left out: torchrun would read it as its own ``--nproc-per-node`` (argparse
     matches prefixes), and each process takes ``nproc`` from the world size instead.
@@ -63,11 +64,12 @@ def torchrun_command(argv: list[str], nproc: int, port: int) -> list[str]:
         if not skip and word != "--nproc" and not word.startswith("--nproc="):
             words.append(word)
         skip = word == "--nproc"
+    target = [script] if script else ["-m", "tether.train", "train"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "tether.train", "train", *words]
+            "--master-addr=127.0.0.1", f"--master-port={port}", *target, *words]
 
 
-def launch(argv: list[str], nproc: int) -> int:
-    """Run ``tether train argv`` in ``nproc`` processes; torchrun's exit status."""
+def launch(argv: list[str], nproc: int, *, script: str | None = None) -> int:
+    """Run ``tether train argv`` (or ``python script argv``) in ``nproc`` processes; torchrun's exit status."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED_ENV: "1"}
-    return subprocess.run(torchrun_command(argv, nproc, free_port()), env=env, check=False).returncode
+    return subprocess.run(torchrun_command(argv, nproc, free_port(), script=script), env=env, check=False).returncode

@@ -9,8 +9,9 @@ micro-batches against whole-batch denominators. The KL leash is a loss term (def
 per-token reward penalty with reward-to-go; a controller sets its beta from the measured KL.
 
 Copy this file to change the algorithm (``tether cp recipe my_recipe.py``; run the copy with
-``python my_recipe.py [tether train flags]``). ``tether.train.recipe_ray`` runs the same
-stages with rollouts on Ray workers.
+``python my_recipe.py [tether train flags]``). ``tether.train.recipe_ray`` runs the same stages
+with rollouts on Ray workers, ``tether.train.recipe_sharded`` on ``--nproc`` FSDP ranks (a copy's
+stages too); ``run.ranks`` gives the whole batch's sums and rows there, identities here.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def add_reference(run: Run, record: StepRecord) -> None:
         return
     exact = run.cfg.kl_signal == "exact" and has_exact_kl(run.models.policy)
     ref = run.ref_scorer.score(record.tokens, record.attention_mask, where=record.assistant_mask, keep_hidden=exact)
-    record.ref_log_probs, record.ref_hidden = ref.log_probs.to(record.tokens.device), run.ranks.own(ref.hidden)
+    record.ref_log_probs, record.ref_hidden = ref.log_probs.to(record.tokens.device), ref.hidden
 
 
 def add_advantages(run: Run, record: StepRecord) -> None:
@@ -195,10 +196,9 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     """One step, every stage in order; returns its metrics record."""
     cfg, ranks, start = run.cfg, run.ranks, time.perf_counter()
     problems = step_problems(run, step)
-    with ranks.unsharded():  # sharded learner: no FSDP collective inside the no-grad passes
-        record = rollout(run, problems, step)
-        scores = score_rewards(run, record, problems, step)
-        add_reference(run, record)
+    record = rollout(run, problems, step)
+    scores = score_rewards(run, record, problems, step)
+    add_reference(run, record)
     sampled_kl = ranks.rows(record.sequence_log_ratio())  # every rank's answers
     if cfg.kl_control_signal == "sampled" and run.line is None:  # beta for this update, from this batch's KL
         run.controller.update(sampled_kl.tolist())

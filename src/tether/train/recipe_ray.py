@@ -25,6 +25,7 @@ from typing import Any
 from tether.models.step_record import StepRecord
 from tether.train import recipe
 from tether.train.config import TrainConfig
+from tether.train.recipe_sharded import sharded_rollout
 from tether.train.run import Run, build_run
 from tether.train.run_dir import check_new_run_dir
 from tether.train.tasks import Problem
@@ -68,8 +69,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                       "kl_bound read the sampled KL (the metrics' kl_signal says so).", SampledKLNote, stacklevel=2)
     run = build_run(cfg)
     pool = run.ranks.on_writer(lambda: start_workers(cfg))  # rank 0's; None on the others
+    rollout = ray_rollout(pool)
+    if run.ranks.size > 1:  # rank 0 reads the whole policy to push it to the workers
+        rollout = sharded_rollout(rollout, recipe.add_reference)
     try:
-        return recipe.train(cfg, resume=resume, progress=progress, rollout=ray_rollout(pool), run=run)
+        return recipe.train(cfg, resume=resume, progress=progress, rollout=rollout, run=run)
     finally:
         if pool is not None:
             pool.shutdown()
