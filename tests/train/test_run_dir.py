@@ -328,7 +328,7 @@ def test_ctrl_c_before_the_first_checkpoint_and_on_other_ranks(tmp_path, monkeyp
     finished_run = tmp_path / "copied"
     train(tiny_cfg(finished_run, steps=1), progress=False)
 
-    def interrupt(cfg):
+    def interrupt(cfg, **_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(recipe, "build_run", interrupt)

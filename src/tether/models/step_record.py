@@ -1,7 +1,7 @@
 """``StepRecord``: one training step's batch as typed tensors, from sampling to the loss.
 
 Sampling produces it, the reward, reference and advantage stages fill their fields, and
-``GRPOLoss`` reads it; no stage looks a tensor up by a TensorDict key. TensorDicts stay at
+the loss reads it; no stage looks a tensor up by a TensorDict key. TensorDicts stay at
 the edge where TorchRL compatibility needs them: ``from_tensordict`` reads a rollout written
 by the seed-API components once, ``to_tensordict`` writes the seed's keys back.
 
@@ -32,6 +32,11 @@ TD_KEYS: dict[str, Any] = {
 }
 _ROW_FIELDS = ("tokens", "attention_mask", "assistant_mask", "group_ids", "sample_log_probs", "ref_log_probs",
                "old_log_probs", "rewards", "advantages")
+
+
+def group_ids(answers: int, group_size: int) -> Tensor:
+    """``[answers]`` the group (problem) of each answer; a group's answers are consecutive."""
+    return torch.arange(answers // group_size).repeat_interleave(group_size)
 
 
 @dataclass

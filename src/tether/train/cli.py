@@ -15,11 +15,11 @@ and keys (see ``trl_names``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
 import sys
-import functools
 import warnings
 from dataclasses import fields
 from pathlib import Path

@@ -8,7 +8,7 @@ Both are per answer (summed over its response tokens):
 * exact: ``sum_t KL(pi(.|y_<t) || pi_ref(.|y_<t))`` over the full vocabulary at each
   position of the sampled answers. Its expectation over answers is the same sequence KL;
   it drops the per-token sampling noise (a Rao-Blackwellised estimate) and is never
-  negative. It is computed inside the loss pass (``GRPOLoss.token_terms`` on a
+  negative. It is computed inside the loss pass (the recipe's ``token_terms`` on a
   ``StepRecord`` carrying the reference's hidden states at the answer tokens), so it costs
   two output-head projections at the answer positions and no extra forward pass.
 

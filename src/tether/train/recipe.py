@@ -1,17 +1,14 @@
-"""The GRPO recipe with a KL leash, in one process: config -> models -> rollout -> reward ->
-reference -> advantage -> loss -> update -> log, once per step, with exact resume.
+"""The GRPO recipe with a KL leash: config -> models -> rollout -> reward -> reference ->
+advantage -> loss -> update -> log, once per step, with exact resume.
 
 Each step samples ``group_size`` answers to each of ``prompts_per_step`` problems into a
-``StepRecord``; the stages below fill its rewards, reference log-probs and advantages, and
-``updates_per_rollout`` optimizer steps train on it with the loss written here (the terms of
-the library's ``GRPOLoss``, which a test holds it equal to), accumulating gradients over
-micro-batches against whole-batch denominators. The KL leash is a loss term (default) or a k1
-per-token reward penalty with reward-to-go; a controller sets its beta from the measured KL.
-
-Copy this file to change the algorithm (``tether cp recipe my_recipe.py``; run the copy with
-``python my_recipe.py [tether train flags]``). ``tether.train.recipe_ray`` runs the same stages
-with rollouts on Ray workers, ``tether.train.recipe_sharded`` on ``--nproc`` FSDP ranks (a copy's
-stages too); ``run.ranks`` gives the whole batch's sums and rows there, identities here.
+``StepRecord``, fills its rewards, reference log-probs and advantages, and takes
+``updates_per_rollout`` optimizer steps with the loss written here (equal to the library's
+``GRPOLoss``, tests/train/test_recipe_loss.py). The leash is a KL loss term or a k1 reward
+penalty; a controller sets its beta from the measured KL. Copy this file to change the
+algorithm (``tether cp recipe my_recipe.py``, run with ``python my_recipe.py [tether train
+flags]``); ``recipe_ray`` and ``recipe_sharded`` run its stages on Ray workers and on
+``--nproc`` FSDP ranks, where ``run.ranks`` sums and gathers whole-batch values (identities here).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from tether.models.score_plan import row_slices
-from tether.models.step_record import StepRecord
+from tether.models.step_record import StepRecord, group_ids
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
                         gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go)
@@ -33,12 +30,10 @@ from tether.rollout import episode_metrics
 from tether.train.config import TrainConfig
 from tether.train.data import prompt_batch
 from tether.train.kl_signal import has_exact_kl, hold_kl_budget, measure_kl
-from tether.train.rewards import RewardError, Samples, Scores
+from tether.train.rewards import RewardError, Samples, Scores, with_checkpoints
 from tether.train.run import Run, build_run
-from tether.train.run_dir import check_new_run_dir
 from tether.train.run_state import close_run, close_step, open_run
 from tether.train.sharding import gather_scores, gather_terms
-from tether.train.summary import with_checkpoints
 from tether.train.tasks import Problem
 from tether.train.tool_rollout import tool_rollout
 from tether.train.tracking import log_completions
@@ -57,20 +52,12 @@ def step_problems(run: Run, step: int, *, every_rank: bool = False) -> list[Prob
     return [p for p in problems for _ in range(cfg.group_size)]
 
 
+@torch.no_grad()
 def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
-    """Rollout: one answer per (repeated) problem from the policy, in this process."""
-    if run.task.tool_use is not None:
-        td = tool_rollout(run, problems)
-    else:
-        td = prompt_batch(problems, run.cfg.prompt_format)
-        with torch.no_grad():
-            run.sampler(td)
+    """Rollout: one answer per (repeated) problem from the policy, multi-turn for a tool task."""
+    multi_turn = run.task.tool_use is not None
+    td = tool_rollout(run, problems) if multi_turn else run.sampler(prompt_batch(problems, run.cfg.prompt_format))
     return StepRecord.from_tensordict(td, group_ids=group_ids(len(problems), run.cfg.group_size))
-
-
-def group_ids(answers: int, group_size: int) -> torch.Tensor:
-    """``[answers]`` the group (problem) of each answer; a group's answers are consecutive."""
-    return torch.arange(answers // group_size).repeat_interleave(group_size)
 
 
 def score_rewards(run: Run, record: StepRecord, problems: list[Problem], step: int) -> Scores:
@@ -79,7 +66,7 @@ def score_rewards(run: Run, record: StepRecord, problems: list[Problem], step: i
     try:
         scores = run.scorer.score(Samples(problems, record.responses, answers), where=f"step {step + 1}")
     except RewardError as exc:
-        raise with_checkpoints(run, exc) from exc
+        raise with_checkpoints(exc, run.dir) from exc
     record.rewards = scores.total
     return scores
 
@@ -109,8 +96,7 @@ def add_advantages(run: Run, record: StepRecord) -> None:
 # ------------------------------------------------------------------------------ the loss
 def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
     """Loss, per answer token ``[B, T]`` (0 elsewhere): the clipped surrogate of the policy ratio,
-    the entropy, the KL term of the leash, and the detached diagnostics. ``GRPOLoss`` with the
-    config's options computes the same terms (tests/train/test_recipe_loss.py)."""
+    the entropy, the leash's KL term, and the detached diagnostics (``GRPOLoss``'s terms)."""
     cfg, mask = run.cfg, rows.assistant_mask & rows.attention_mask
     scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden)
     mask = mask.to(scored.log_probs.device)
@@ -162,9 +148,9 @@ def reduce(run: Run, terms: GRPOTokenTerms, denominator: torch.Tensor | None = N
 
 # ------------------------------------------------------------------------------ the update
 def optimize(run: Run, record: StepRecord, step: int) -> Update:
-    """``updates_per_rollout`` optimizer steps, one a mini-batch of the record's rows; a non-finite
-    loss or gradient norm raises before the weights move. The per-token terms of every update,
-    reduced together, give the step's diagnostics (ESS is no token mean: it cannot be averaged)."""
+    """``updates_per_rollout`` optimizer steps, one a mini-batch; a non-finite loss or gradient norm
+    raises before the weights move. All updates' terms reduced together give the step's
+    diagnostics (ESS is no token mean: it cannot be averaged)."""
     cfg, kept, norms = run.cfg, [], []
     if cfg.updates_per_rollout > 1 and cfg.importance_correction != "none":
         record.old_log_probs = store_old_log_probs(run.actor, record, cfg.micro_batch_size)
@@ -180,8 +166,7 @@ def optimize(run: Run, record: StepRecord, step: int) -> Update:
 
 
 def accumulate_gradients(run: Run, record: StepRecord) -> GRPOTokenTerms:
-    """The gradient of ``record``'s loss, micro-batch by micro-batch against the whole record's
-    denominator; returns the detached per-token terms of all its rows."""
+    """``record``'s gradient, micro-batch by micro-batch against its whole denominator; its detached terms."""
     denominator = run.ranks.total(aggregate_denominator(record.assistant_mask, run.cfg.aggregation))
     run.optimizer.zero_grad(set_to_none=True)
     kept = []
@@ -232,13 +217,9 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
 # ------------------------------------------------------------------------------ main loop
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, rollout: Rollout = sample,
           run: Run | None = None) -> dict[str, Any]:
-    """Run (or resume) training; returns the summary also written to ``summary.json``. ``rollout``
-    and ``run`` let another topology (``recipe_ray``) reuse the loop; a caller that passes ``run``
-    has checked ``cfg.out`` with ``check_new_run_dir`` before building it."""
-    if run is None:
-        if not resume:  # every rank checks before build_run's first collective, after which rank 0 writes
-            check_new_run_dir(cfg.validate())
-        run = build_run(cfg)
+    """Run (or resume) training; returns the summary (``summary.json``). Another topology passes its
+    ``rollout`` and ``run`` to reuse the loop."""
+    run = build_run(cfg, fresh=not resume) if run is None else run
     try:
         opened = open_run(run, resume=resume)
         bar = tqdm(range(opened.start, cfg.steps), initial=opened.start, total=cfg.steps, desc="tether train",

@@ -22,12 +22,11 @@ import warnings
 from dataclasses import replace
 from typing import Any
 
-from tether.models.step_record import StepRecord
+from tether.models.step_record import StepRecord, group_ids
 from tether.train import recipe
 from tether.train.config import TrainConfig
 from tether.train.recipe_sharded import sharded_rollout
 from tether.train.run import Run, build_run
-from tether.train.run_dir import check_new_run_dir
 from tether.train.tasks import Problem
 
 
@@ -40,7 +39,7 @@ def ray_rollout(pool: Any) -> recipe.Rollout:
 
     def on_pool(run: Run, problems: list[Problem], step: int) -> StepRecord:
         td = pool.rollout(run.models.policy, [p.chat for p in problems], step, reference_updater=run.ref_updater)
-        return StepRecord.from_tensordict(td, group_ids=recipe.group_ids(len(problems), run.cfg.group_size))
+        return StepRecord.from_tensordict(td, group_ids=group_ids(len(problems), run.cfg.group_size))
 
     def rollout(run: Run, problems: list[Problem], step: int) -> StepRecord:
         ranks = run.ranks
@@ -51,7 +50,7 @@ def ray_rollout(pool: Any) -> recipe.Rollout:
             whole = on_pool(run, recipe.step_problems(run, step, every_rank=True), step)
             rows = len(whole) // ranks.size
             parts = [whole.rows(r * rows, (r + 1) * rows) for r in range(ranks.size)]
-            return [replace(p, group_ids=recipe.group_ids(rows, run.cfg.group_size)) for p in parts]
+            return [replace(p, group_ids=group_ids(rows, run.cfg.group_size)) for p in parts]
 
         return ranks.scatter(ranks.on_writer(blocks))
 
@@ -62,12 +61,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     """``tether.train.recipe.train`` with the rollout on ``cfg.workers`` Ray workers."""
     from tether.train.distributed import start_workers  # Ray is optional: imported only when asked for
 
-    if not resume:
-        check_new_run_dir(cfg.validate())
     if cfg.kl_signal == "exact":
         warnings.warn("kl_signal=exact: the Ray ReferenceService returns log-probs only, so this run's leash and "
                       "kl_bound read the sampled KL (the metrics' kl_signal says so).", SampledKLNote, stacklevel=2)
-    run = build_run(cfg)
+    run = build_run(cfg, fresh=not resume)
     pool = run.ranks.on_writer(lambda: start_workers(cfg))  # rank 0's; None on the others
     rollout = ray_rollout(pool)
     if run.ranks.size > 1:  # rank 0 reads the whole policy to push it to the workers

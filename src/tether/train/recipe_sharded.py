@@ -17,11 +17,12 @@ from types import ModuleType
 from typing import Any, Callable
 
 from tether.models.step_record import StepRecord
+from tether.train import recipe as shipped
 from tether.train.config import TrainConfig
 from tether.train.run import Run
 from tether.train.tasks import Problem
 
-Rollout = Callable[[Run, list[Problem], int], StepRecord]
+Rollout = shipped.Rollout
 
 
 def sharded_rollout(rollout: Rollout, add_reference: Callable[[Run, StepRecord], None]) -> Rollout:
@@ -38,10 +39,8 @@ def sharded_rollout(rollout: Rollout, add_reference: Callable[[Run, StepRecord],
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
-          recipe: ModuleType | None = None) -> dict[str, Any]:
-    """``recipe.train`` (``tether.train.recipe`` unless a copy is given) on this rank, with the
-    recipe's rollout, ``sample``, wrapped by ``sharded_rollout``."""
-    if recipe is None:
-        from tether.train import recipe
+          recipe: ModuleType = shipped) -> dict[str, Any]:
+    """``recipe.train`` (tether's recipe, or a copy's module) on this rank, with the recipe's
+    rollout, ``sample``, wrapped by ``sharded_rollout``."""
     return recipe.train(cfg, resume=resume, progress=progress,
                         rollout=sharded_rollout(recipe.sample, recipe.add_reference))

@@ -43,6 +43,13 @@ class RewardError(ValueError):
     """A reward function or task reward raised or returned an unusable value for a sample."""
 
 
+def with_checkpoints(exc: RewardError, run_dir: Path) -> RewardError:
+    """``exc`` followed by what ``run_dir`` holds to resume from."""
+    from tether.train.run_dir import describe_checkpoints  # run_dir's imports lead back to this module
+
+    return RewardError(f"{exc} {describe_checkpoints(run_dir)}")
+
+
 @dataclass
 class Samples:
     """One batch to score: each sample's problem, completion text and completion token ids."""

@@ -1,6 +1,7 @@
 """The run a recipe steps: what is built once from the config (models, sampler, the policy's
-scorer for the loss pass, optimizer, schedule, KL controller, reference updater, reward scorer, logs), validated
-before anything is written. ``build_run`` is the "config -> models" part of the recipes.
+scorer for the loss pass, optimizer, schedule, KL controller, reference updater, reward
+scorer, logs), validated before anything is written. ``build_run`` is the "config -> models"
+part of the recipes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tether.train.config import TrainConfig
 from tether.train.data import check_prompt_format, dataset_task
 from tether.train.metrics import MetricsLog
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
+from tether.train.run_dir import check_new_run_dir
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import Models, build_models, reference_scorer
 from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
@@ -75,8 +77,11 @@ def _controller(cfg: TrainConfig, leash: Leash) -> Any:
     return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
 
 
-def build_run(cfg: TrainConfig) -> Run:
+def build_run(cfg: TrainConfig, *, fresh: bool = False) -> Run:
+    """The run of ``cfg``; ``fresh``: refuse an ``out`` that holds a run (a new run, not a resume)."""
     cfg.validate()
+    if fresh:  # every rank checks before the first collective: after it, rank 0 writes config.yaml
+        check_new_run_dir(cfg)
     ranks = join_ranks(cfg)  # first: a CUDA rank picks its GPU before anything is loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

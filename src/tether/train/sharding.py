@@ -20,10 +20,10 @@ that batch, and keeps its own rows (``SharedDraw``). A rank whose rows have ende
 part until every rank's rows have.
 
 No collective depends on data: ``Ranks.unsharded()`` gathers every unit's weights once for the
-step's no-grad passes (sampling, reference, KL), which then run without collectives however
-many decode steps or scoring passes a rank needs. The training passes run one forward per
-micro-batch on every rank (``share_run`` gives the loss's scorer no token budget and no
-shared-prefix split), so FSDP's all-gathers and reduce-scatters line up. Scoring calls the
+step's no-grad passes (sampling and reference, ``tether.train.recipe_sharded``; the budget's KL),
+which then run without collectives however many decode steps or scoring passes a rank needs. The
+training passes run one forward per micro-batch on every rank (``share_run`` gives the loss's
+scorer no token budget and no shared-prefix split), so FSDP's all-gathers and reduce-scatters line up. Scoring calls the
 decoder and the head weight directly, not the root's forward, so a pre-hook on the decoder
 gathers the root unit first. Evaluation runs the whole held-out set on every rank: the same
 inputs and weights give every rank the same passes.

@@ -5,15 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from tether.train.evaluate import evaluate
-from tether.train.rewards import RewardError
+from tether.train.rewards import RewardError, with_checkpoints
 from tether.train.run import Run
-from tether.train.run_dir import describe_checkpoints
 from tether.train.tool_rollout import tool_summary
-
-
-def with_checkpoints(run: Run, exc: RewardError) -> RewardError:
-    """``exc`` followed by what the run directory holds to resume from."""
-    return RewardError(f"{exc} {describe_checkpoints(run.dir)}")
 
 
 def evaluate_run(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:
@@ -23,7 +17,7 @@ def evaluate_run(run: Run, reference: Any, with_kl: bool = True) -> dict[str, An
                         max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
                         with_kl=with_kl, scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
     except RewardError as exc:
-        raise with_checkpoints(run, exc) from exc
+        raise with_checkpoints(exc, run.dir) from exc
 
 
 def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:

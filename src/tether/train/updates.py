@@ -7,7 +7,7 @@ sampling log-probs are the old log-probs of the ratio: from the second update on
 differ from 1 and the clip, the ESS and the importance-weighted KL term act. ``N = 1`` is the
 one on-policy update of the plain recipe. No randomness is drawn for the cut.
 
-With ``importance_correction`` (TIS / MIS) ``GRPOLoss`` reads the trainer's log-probs under
+With ``importance_correction`` (TIS / MIS) the loss reads the trainer's log-probs under
 the sampling weights from ``old_log_probs``; if absent it takes the current policy, which is
 exact only for the first update. ``store_old_log_probs`` scores them once before the first
 update, micro-batch by micro-batch.
