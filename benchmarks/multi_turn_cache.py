@@ -2,11 +2,12 @@
 every turn again, and against one single-turn sample of the same tokens.
 
 The embedded model, ``--task arithmetic-tools``'s prompts (system prompt, worked example,
-question), ``--episodes`` episodes of exactly three assistant messages: every message is read as
-a calculator call (a parser that always finds one), so two tool turns are appended and the third
-message ends the episode. The single-turn baseline samples, after the same prompts, as many tokens
-per row as the episode sampled in its three messages (forced lengths), in one call. Each variant
-runs ``--repeats`` times from the same seed; the table gives medians and ratios to the baseline.
+question), ``--episodes`` episodes of up to three assistant messages: every message that ends with
+its end-of-turn token is read as a calculator call (a parser that always finds one), so a tool
+turn follows it; the third message, or one cut at ``--max-new-tokens``, ends the episode. The
+single-turn baseline samples, after the same prompts, as many tokens per row as the episode
+sampled in all its messages (forced lengths), in one call. Each variant runs ``--repeats`` times
+from the same seed; the table gives medians and ratios to the baseline.
 
     python benchmarks/multi_turn_cache.py [--episodes 16] [--max-new-tokens 32] [--threads 2]
 """
