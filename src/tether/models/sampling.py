@@ -1,28 +1,14 @@
 """Ancestral sampling from a causal LM with exact per-token log-probs.
 
-tether samples with its own decode loop over the model's KV cache instead of
-``model.generate``: the log-prob of each sampled token is read from the very distribution it
-was drawn from, ``softmax(logits / temperature)`` in float32, so the sampling log-probs and
-the trainer's recomputed log-probs agree to float precision (ratio 1 on-policy) and no
-``[B, T, V]`` tensor of per-step scores is ever kept.
-
-Top-k / top-p truncate the distribution that is *sampled*; the recorded log-prob stays the
-one under the untruncated temperature-scaled distribution, which is what the trainer
-recomputes, so importance ratios stay consistent.
-
-Rows that have emitted an end-of-sequence token are dropped from the batch (and from the
-KV cache) at once, so a batch of mixed response lengths costs close to its real tokens, and
-a prompt repeated ``G`` times (a GRPO group) is prefilled once and its cache copied.
-The loop's only host syncs are the finished-row checks (has every row ended, has any), so
-on a GPU the next step's kernels are queued while nothing else waits on the device.
-
-``past`` continues rows whose earlier tokens the model has already read (``RowCache``, one per
-row, from an earlier call's ``keep_cache=True``): only the new tokens are prefilled, after each
-row's cached keys and values. A multi-turn rollout feeds each turn this way.
-
-``draw`` lets several processes sample one batch together (``tether.train.sharding``): it
-turns this process's rows' probabilities into tokens and says when every process's rows are
-done, so a process whose rows ended early keeps taking part in each step's draw.
+tether samples with its own decode loop over the model's KV cache instead of ``model.generate``:
+each sampled token's log-prob is read from the very distribution it was drawn from,
+``softmax(logits / temperature)`` in float32, so sampling and training log-probs agree to
+float precision. Top-k / top-p truncate what is sampled, not what is recorded. Finished rows
+leave the batch and its cache at once; a prompt repeated ``G`` times is prefilled once. The
+only host syncs are the finished-row checks. ``past`` continues rows from an earlier call's
+``keep_cache=True`` (``RowCache``), prefilling only their new tokens (a multi-turn rollout's
+turns). ``draw`` lets several processes sample one batch together (``tether.train.sharding``).
+Rationale in the docs (``docs/design.md``).
 """
 
 from __future__ import annotations

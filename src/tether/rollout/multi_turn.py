@@ -1,30 +1,16 @@
 """``MultiTurnRollout``: a batch of conversations advances turn by turn, calling tools as it goes.
 
-Each turn samples one assistant message for every conversation still running, with the
-policy wrapper's own sampler (``tether.models.sampling.sample_responses``: exact per-token
-log-probs under the temperature-scaled distribution). Tool calls in the message (parsed by
-``tool_format``, see ``tether.rollout.tool_calls``) are run (``tether.rollout.tools``) and
-their results appended as tool turns, and the conversation goes on. An episode ends at
+Each turn samples one assistant message for every running conversation with the wrapper's own
+sampler; tool calls in it are run and their results appended as tool turns. An episode ends at
+``"answer"`` (no tool call), ``"max_turns"``, ``"token_budget"`` (``max_tokens`` reached) or
+``"length"`` (``max_new_tokens`` without an end-of-turn). Finished conversations leave the
+batch.
 
-* ``"answer"``: an assistant message without a tool call;
-* ``"max_turns"``: the ``max_turns``-th assistant message (its tool calls are not run);
-* ``"token_budget"``: the conversation reached ``max_tokens`` tokens (prompt, every turn and
-  every tool result), mid-message or after a tool turn;
-* ``"length"``: a message reached the wrapper's ``max_new_tokens`` without an end-of-turn.
-
-Finished conversations leave the batch: a turn samples only the running ones, and a row
-that reaches its remaining budget leaves the decode loop at once (``row_limits``).
-
-Token-first: each conversation is kept as token ids, never re-tokenised from text. The
-prompt is the chat template's rendering; each assistant message is exactly the sampled
-ids (with the end-of-turn token that closed it); after it comes the template's text that
-follows an assistant turn, the tool turns and the next generation prompt, taken from the
-rendering of the chat with the tool turns, from just after the end-of-turn token of the
-rendered assistant turn. So the log-probs recorded at sampling are those of the very ids
-the trainer scores, and the assistant mask is True on exactly the sampled tokens: every
-assistant message's content and its end-of-turn token, nothing the user or a tool wrote.
-Each row's KV cache is kept from one turn to the next (``kv_cache=True``), found by the token
-ids it holds, so a turn prefills only the tokens after the row's last sampled one.
+Token-first: each conversation is kept as token ids, never re-tokenised, so the log-probs
+recorded at sampling are those of the very ids the trainer scores and the assistant mask is
+True on exactly the sampled tokens (with their end-of-turn token). Each row's KV cache is kept
+from one turn to the next (``kv_cache=True``), so a turn prefills only its new tokens. How the
+ids are stitched together: ``docs/design.md``.
 """
 
 from __future__ import annotations
