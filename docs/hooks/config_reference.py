@@ -1,7 +1,7 @@
 """MkDocs hook: renders the configuration reference from ``TrainConfig`` at build time.
 
 ``docs/reference/config.md`` holds the marker ``<!-- config-fields -->``; this hook replaces it
-with one row per ``TrainConfig`` field (CLI flag, YAML key, default, the names a choice field
+with one row per ``TrainConfig`` field (CLI flag, default, the names a choice field
 accepts, and the field's help text, which is also ``tether train --help``). The page is never
 hand-edited, so it cannot drift from the code.
 """
@@ -18,7 +18,7 @@ def config_table() -> str:
     from tether.train.config import TrainConfig, config_choices
 
     choices = config_choices()
-    rows = ["| flag (config key) | default | accepts | what it does |", "|---|---|---|---|"]
+    rows = ["| flag | default | accepts | what it does |", "|---|---|---|---|"]
     for f in fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
         default = "" if f.default == "" else f"`{f.default}`"
@@ -27,7 +27,7 @@ def config_table() -> str:
         else:
             accepts = "switch" if isinstance(f.default, bool) else type(f.default).__name__
         text = f.metadata["help"].replace("|", "\\|")
-        rows.append(f"| `{flag}` (`{f.name}`) | {default} | {accepts} | {text} |")
+        rows.append(f"| `{flag}` | {default} | {accepts} | {text} |")
     return "\n".join(rows)
 
 

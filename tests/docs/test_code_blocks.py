@@ -70,6 +70,7 @@ def test_blocks_are_found_and_few_are_skipped():
     assert len(run) >= 15 and len(skipped) <= len(run) // 2, (len(run), [b.where() for b in skipped])
 
 
+@pytest.mark.docs
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_code_blocks_run(page: Path, workdir: Path):
     for block in read_blocks(page):

@@ -57,7 +57,9 @@ def _exports(package: str) -> list[str]:
                                      "rollout", "ray"])
 def test_api_page_renders_every_export(site, package):
     page = _page(site, f"reference/api/{package}")
-    missing = [n for n in _exports(package) if f'id="tether.{package}.{n}"' not in page]
+    # A name shared with its own submodule (tether.ops.aggregate) is rendered from that module.
+    missing = [n for n in _exports(package)
+               if f'id="tether.{package}.{n}"' not in page and f'id="tether.{package}.{n}.{n}"' not in page]
     assert not missing, f"reference/api/{package} lacks {missing}"
 
 
@@ -73,8 +75,9 @@ def test_config_reference_is_the_dataclass(site):
     page = html.unescape(re.sub(r"<[^>]+>", "", _page(site, "reference/config")))
     for f in fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
-        assert f"{flag} ({f.name})" in page, flag
-        assert f.metadata["help"] in page, f"{flag}: help text not rendered as written"
+        assert f"\n{flag}\n" in page, flag
+        # Backticks in a help text render as code on the page, so they leave no character.
+        assert f.metadata["help"].replace("`", "") in page, f"{flag}: help text not rendered as written"
     assert all(flag in page for flag in SPEC_FLAGS)
 
 
