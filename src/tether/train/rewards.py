@@ -2,23 +2,13 @@
 
 ``--reward-funcs FILE.py`` follows TRL's ``GRPOTrainer`` convention: each function is called
 once per batch by keyword, ``f(prompts=..., completions=..., completion_ids=..., **columns)``,
-one entry per sample in every list (a prompt's columns repeated for each of its ``G``
-answers), and returns one ``float`` or ``None`` per sample. With ``--prompt-format chat`` a
-prompt is its messages and a completion ``[{"role": "assistant", "content": text}]``; with
-``text`` both are strings. The functions are the file's ``REWARD_FUNCS``, or else its public
-functions in order. ``--reward-model DIR`` adds a local sequence-classification model as one
-more function, named after its directory, scoring prompt and completion rendered as TRL does.
-
-A sample's reward is ``sum_i w_i r_i`` over the functions that apply to it (``None``: does not
-apply, TRL's ``nansum``). A sample no function applies to is an error, not TRL's warning and
-0: its advantage would come from a number nobody gave. Each function's mean where it applies
-is logged under ``reward/<name>``.
-
-A function that raises or returns a wrong length, a non-number or a non-finite number raises
-``RewardError`` naming the function, its file and the sample (found by calling it on each
-sample alone when the batch call raised). With a dataset, a function whose signature the
-columns cannot fill is refused before any model loads. A function may be ``async def`` (as
-TRL allows): a step's async functions run concurrently in one event loop, the others in order.
+and returns one ``float`` or ``None`` per sample; the file's ``REWARD_FUNCS``, or else its
+public functions in order. ``--reward-model DIR`` adds a local sequence-classification model
+as one more function. A sample's reward is ``sum_i w_i r_i`` over the functions that apply to
+it; a sample no function applies to is an error (TRL warns and gives 0), and each function's
+mean is logged under ``reward/<name>``. A function that raises or returns a bad value raises
+``RewardError`` naming the function, its file and the sample; ``async def`` functions of a
+step run concurrently in one event loop. The full convention: ``docs/rewards.md``.
 """
 
 from __future__ import annotations
