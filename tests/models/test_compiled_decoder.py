@@ -1,4 +1,4 @@
-"""Scoring with a compiled decoder, the README's one line for faster scoring
+"""Scoring with a compiled decoder, the one line docs/performance.md gives for faster scoring
 (``model.get_decoder().compile(dynamic=True)``): the engine calls the decoder module itself,
 so its passes run the compiled graph, and the log-probs equal the eager ones."""
 
@@ -47,7 +47,7 @@ def test_the_engine_runs_its_passes_through_a_compiled_decoder():
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor needs a C++ compiler")
 def test_an_inductor_compiled_decoder_scores_as_eager():
-    """The README's line itself: inductor's fused kernels give the eager log-probs at every
+    """The documented line itself: inductor's fused kernels give the eager log-probs at every
     scored position (1e-5, float32: they round differently) and 0 elsewhere."""
     model, ids, mask, where, eager = _case()
     torch.compiler.reset()

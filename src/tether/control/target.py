@@ -1,83 +1,21 @@
 """``TargetKLController``: holds the measured KL per answer at a target by moving log beta.
 
-The Ziegler et al. controller (``AdaptiveKLController``) caps its correction at
-``0.2 * n_steps / horizon`` per update, so a run of a few dozen steps ends before beta has
-moved far, and while the KL is still under target at the start it lowers beta, which makes
-the later overshoot worse. This controller is built for short, fast-moving runs instead.
+Ziegler et al.'s controller (``AdaptiveKLController``) caps its correction at
+``0.2 * n_steps / horizon`` a step and lowers beta while the KL is still under target, too slow
+for short runs whose KL accumulates. This one, once per step, from the mean per-sequence KL:
 
-Update, once per step, from the mean per-sequence KL ``m_t`` (nats per answer)::
+* forecasts the KL ``lookahead`` steps ahead from a smoothed linear trend and moves
+  ``log beta`` by ``gain * clip(log(forecast / target), -max_fall, max_rise)``, braking
+  (``brake_gain``) faster than it releases (``release_gain``);
+* does not release beta while the KL is on its way (its forecast twice as far ahead reaches
+  the target, or it still grows by ``hold_growth`` a step);
+* keeps beta at the first update (the policy is the reference, the KL is 0);
+* keeps beta within ``[min_coef, max_coef]``; working on log beta, it never reaches 0,
+  turns negative or becomes NaN.
 
-    d_t        = m_t - m_{t-1}                              # how fast the KL moves
-    v_t        = d_t at the second update, else v_{t-1} + smoothing * (d_t - v_{t-1})
-    p_t        = m_t + lookahead * v_t                      # the KL a few steps ahead
-    e_t        = clip(log(p_t / target), -max_fall, max_rise)  # -max_fall for p_t <= 0
-    e_t        = 0 if e_t < 0 and m_t > 0 and (m_t + 2 * lookahead * v_t >= target
-                                              or m_t >= hold_growth * m_{t-1})  # on its way
-    log beta  += (brake_gain if e_t > 0 else release_gain) * e_t
-    beta       = clip(beta, min_coef, max_coef)
-
-Why it forecasts: the KL of a language model under RL *accumulates*. Each optimiser step
-adds a drift that the reward gradient sets and takes back a share that grows with beta, so
-``m_{t+1} ~ m_t + D - c * beta * m_t``: an integrator with a leak, not a plant that settles
-at a KL fixed by beta within a step. On the default run (lr 2e-4) the KL grew by about 0.3
-nats a step whatever beta in ``[0.06, 0.25]`` it met, and fell by 0.4 nats a step once
-beta passed 1. The first version of this controller acted on the level ``m_t`` (and its
-one-step log trend): it released beta from 0.2 to 0.065 while the KL climbed through the
-lower half of the band and then raised it by about x1.1 a step; the KL ended at 4.3 nats
-against a target of 2. Hence:
-
-* the error is the KL forecast ``lookahead`` steps ahead, a linear forecast in KL units
-  from a smoothed trend (the step-to-step change of a batch mean is about as noisy as the
-  drift itself);
-* beta is not released while the KL is on its way to the target: while its forecast twice
-  as far ahead reaches the target, or while it still grows by ``hold_growth`` (x1.25) or
-  more a step, as it does in the first steps of a run, when it climbs from 0 faster and
-  faster (0.1, 0.3, 0.7, 1.2 nats at steps 2-5 of the default run: at step 2 a linear
-  forecast expects 0.4 nats three steps later). At a small KL the leak ``c * beta * m`` is
-  small whatever beta is, so a release there buys no speed and leaves a weaker brake for
-  later (releasing in those steps took beta from 0.2 to 0.045 on the default run);
-* a forecast over target raises beta faster (``brake_gain``) than one under target
-  releases it (``release_gain``): an over-weak leash lets the KL accumulate, and the leak
-  that takes it back is slow.
-
-Why it is stable: around the target the loop is an integral controller on log beta acting
-on a leaky integrator with one step of delay (``tether train`` updates beta from the KL of
-the batch it is about to train on, before the weights move; a controller fed a KL measured
-during the update acts a step later, which on the simulated plant below costs 10-19
-points of the steps in band). The gains, lookahead and smoothing were chosen on that
-simulated plant (leak time constants of 3 and 6.7 steps at the right beta, starts x30 below
-to x5 above it, drift noise 30 %, measurement noise 10 %, drift decaying or not): among 72
-settings tried they gave the highest share of steps in a +-25 % band over 16- and 40-step
-runs, weighted towards the case the default run resembles (time constant 6.7, start x7.5
-too weak); the two best differed only in the growth hold, kept for the default run's sake
-(above). None was tuned on a language-model run's band score.
-
-Bounds: beta stays in ``[min_coef, max_coef]`` (defaults ``1e-4`` and ``1e3``, part of the
-configuration; a clipped beta does not accumulate hidden "wind-up", because the state is
-beta itself, the last KL and the trend). One update multiplies beta by a factor in
-``[exp(-release_gain * max_fall), exp(brake_gain * max_rise)]``, ``[0.47, 2.72]`` by
-default. Working on log beta makes every correction a multiplication: beta can never reach
-0, turn negative or become NaN, and one rule fits any scale of beta (the benchmark varies
-the start over a x30 range).
-
-Special cases:
-
-* First update: beta is kept and the measurement only recorded. At the first step of a
-  run the policy is the reference, so the KL is 0 by construction and says nothing about
-  beta, and no trend can be formed from one measurement.
-* KL 0 and not rising (or a negative sampled k1 mean, whose true KL is >= 0): the
-  forecast is <= 0, the error saturates at ``-max_fall`` and beta falls by the largest
-  factor per step (a x30 too strong start is undone in about 5 updates).
-* A KL jump (collapse onto a degenerate answer, a bad batch): the trend adds to the jump,
-  the error saturates at ``+max_rise`` within a step or two and beta grows by up to x2.72
-  at once. When the KL comes back down the trend turns negative and beta is released
-  again, so one noisy batch costs a raise and a release, not a lasting shift.
-
-The controller is measurement-agnostic. ``tether train`` feeds it the sampled k1 KL per
-answer of the batch about to be trained on: it is known before the update (the exact
-full-vocabulary KL comes out of the loss pass, one step too late), and on the default run
-it differs from the exact one by a standard deviation of 0.2 nats per batch at 2.5
-nats, less than the step-to-step change of either (see ``tether.train.kl_signal``).
+The constants were chosen on a simulated accumulating plant, not tuned on a language model.
+The update in full, why it forecasts, why it is stable, its special cases and the measurements
+behind it are in the docs (``docs/leash.md``, "The target controller in detail").
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """``RetrieveKL``: policy and reference log-probs of a batch, then their per-token KL.
 
-A plain module that runs, in order, ``RetrieveLogProb(gen_model)`` (skipped when
-``gen_model`` is None), ``RetrieveLogProb(ref_model)`` and ``KLComputation``. The first
-scorer that renders chats writes the tokens and masks to the batch, so the second scores
-the very same ids.
+A plain module that runs ``RetrieveLogProb(gen_model)`` (skipped when ``gen_model`` is None),
+``RetrieveLogProb(ref_model)`` and ``KLComputation``, in that order; the first scorer that
+renders chats writes the tokens and masks, so the second scores the very same ids.
 
-``gen_model=None`` reuses the log-probs recorded at sampling time under
-``gen_log_probs_full_key`` and saves one forward pass of the policy. That equals a
-recomputation up to float32 rounding (the sampler records float32 log-probs token by token
-through a KV cache, a scorer computes them in one pass) when all of these hold:
-
-* the policy weights are those that sampled the batch (no optimiser step since) and the
-  model behaves deterministically (eval mode: no dropout);
-* the reference scorer's temperature is the sampling temperature: tether's sampler records
-  ``log softmax(logits / temperature)`` of each sampled token under the *untruncated*
-  distribution (top-k / top-p change what is sampled, not what is recorded), which is what
-  a scorer at that temperature computes;
-* the batch still holds the sampled ``("tokens", "full")`` with their masks, so the
-  reference scores the same ids (nothing is re-tokenised);
-* the KL is taken on the sampled tokens only: sampling log-probs exist for the generated
-  response, so earlier assistant turns of a multi-turn prompt carry 0 and are outside the
-  assistant mask written by the generating wrapper.
-
-Log-probs produced by another sampler (vLLM, a different kernel or precision) are only
-close to the trainer's, not equal; recompute with a ``gen_model`` in that case.
+``gen_model=None`` reuses the log-probs recorded at sampling time and saves one policy forward;
+that equals a recomputation up to float32 rounding only under the conditions listed in the
+docs (``docs/design.md``: same weights, same temperature, the sampled tokens still in the
+batch, KL on the sampled tokens only).
 
 Departures from the TorchRL seed: no metaclass and no lazy ``"from_collector"`` policy;
 ``ref_model`` and ``ref_model_factory`` together are refused; the two scorers are checked

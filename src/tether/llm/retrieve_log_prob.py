@@ -1,24 +1,14 @@
 """``RetrieveLogProb``: per-token log-probs of the sequences of a batch under one model.
 
-Which tokens are scored:
+When the batch already holds ``("tokens", "full")`` with ``("masks", "all_attention_mask")``,
+those exact ids are scored (re-rendering decoded text need not give back the sampled ids);
+otherwise the wrapper's own input is rendered or encoded, and the tokens and masks found are
+written to the batch so that the reference scorer and ``KLComputation`` see the same ones.
 
-* the batch already holds ``("tokens", "full")`` with ``("masks", "all_attention_mask")``
-  (e.g. written by a generating wrapper or by an earlier ``RetrieveLogProb``): those exact
-  ids are scored, whatever the wrapper's input mode. Rendering the chats again would
-  re-tokenise decoded text, which need not give back the sampled ids (a sampled token
-  sequence can decode to a string that tokenises differently), and the log-probs would
-  then describe sequences the policy never produced;
-* otherwise the wrapper's own input: ``("history", "full")`` chats are rendered with the
-  tokenizer's chat template (plus ``tokenizer_kwargs``), ``("text", "full")`` strings are
-  encoded by the wrapper. The tokens and masks found this way are written to the root of
-  the batch, so that a second scorer (the reference) and ``KLComputation`` see the very
-  same tokens and masks.
-
-Departures from the TorchRL seed: ``detach`` is honoured (the seed accepted and ignored
-it); the assistant mask includes each turn's end-of-turn token; scoring is padding-free and
-never builds ``[B, T, V]`` logits. As in the seed, ``assistant_only=True`` needs a
-history-mode model and is refused at construction otherwise (where the user can fix it),
-although a history-mode scorer also scores a batch's own tokens with its assistant mask.
+Departures from the TorchRL seed: ``detach`` is honoured (the seed ignored it); the assistant
+mask includes each turn's end-of-turn token; scoring is padding-free and never builds
+``[B, T, V]`` logits. As in the seed, ``assistant_only=True`` needs a history-mode model and
+is refused at construction otherwise.
 """
 
 from __future__ import annotations

@@ -11,3 +11,22 @@ from tether.models.reference import (
 )
 from tether.models.reward_model import RewardOutput, SequenceRewardModel
 from tether.models.wrapper import INPUT_MODES, TransformersWrapper
+
+__all__ = [
+    "AdapterDisabledReference",
+    "ChatTokens",
+    "DefaultModelInfo",
+    "INPUT_MODES",
+    "REFERENCE_UPDATES",
+    "ReferenceUpdater",
+    "RewardOutput",
+    "SequenceRewardModel",
+    "TransformersWrapper",
+    "adapter_disabled",
+    "frozen_copy",
+    "has_generation_block",
+    "load_default_model",
+    "locate_gguf",
+    "model_info",
+    "tokenize_chats",
+]

@@ -12,6 +12,7 @@ The package is located without importing it, because its ``__init__`` imports ``
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -74,12 +75,46 @@ def _package_version() -> str:
         return "unknown"
 
 
+def content_digest(gguf_path: Path) -> str:
+    """The file's SHA-256 (urlsafe base64, as wheels record it): read from the installed wheel's
+    RECORD when ``gguf_path`` is that file (free), else computed from its bytes."""
+    try:
+        files = importlib.metadata.distribution(GGUF_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for entry in files:
+        if entry.hash is not None and entry.hash.mode == "sha256" and Path(entry.locate()).resolve() == gguf_path.resolve():
+            return entry.hash.value
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+
+
 def _cache_key(gguf_path: Path) -> str:
-    # Size and mtime change whenever the wheel is reinstalled or upgraded; hashing 98 MB of
-    # file content on every load would cost more than the cache saves.
-    stat = gguf_path.stat()
-    fingerprint = f"{_package_version()}:{stat.st_size}:{stat.st_mtime_ns}"
+    # The content, not the file's place or time: every venv and clone with the same wheel
+    # shares one converted copy.
+    fingerprint = f"{_package_version()}:{gguf_path.stat().st_size}:{content_digest(gguf_path)}"
     return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+
+def _prune_siblings(target: Path) -> None:
+    """Remove the other caches that nothing will read again: their source file is gone (its venv
+    was deleted), or they are keyed by an earlier scheme (no ``digest`` in their record). Only in
+    the default cache root: a ``cache_dir`` the caller chose is theirs to keep."""
+    if target.parent != default_cache_root():
+        return
+    for sibling in target.parent.glob(f"{CACHE_PREFIX}-*"):
+        record_path = sibling / SENTINEL
+        if sibling == target or not record_path.is_file():
+            continue
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if "digest" not in record or not Path(record.get("source", "")).is_file():
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def default_cache_root() -> Path:
@@ -163,14 +198,13 @@ def _write_cache(model: nn.Module, tokenizer, target: Path, gguf_path: Path) -> 
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        stat = gguf_path.stat()
         record = {
             "format": CACHE_FORMAT,
             "source": str(gguf_path),
             "package": GGUF_PACKAGE,
             "package_version": _package_version(),
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
+            "size": gguf_path.stat().st_size,
+            "digest": content_digest(gguf_path),
         }
         (staging / SENTINEL).write_text(json.dumps(record, indent=2))
         try:
@@ -180,6 +214,7 @@ def _write_cache(model: nn.Module, tokenizer, target: Path, gguf_path: Path) -> 
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _prune_siblings(target)
 
 
 def _check_dtype(dtype) -> None:
@@ -197,7 +232,7 @@ def load_default_model(*, cache_dir: str | os.PathLike | None = None, dtype: tor
         cache_dir: directory holding the converted copy. Default:
             ``<cache root>/smollm2-135m-instruct-<key>``, the root being ``$TETHER_CACHE`` (or
             ``~/.cache/tether``) and the key a hash of the package version and the GGUF file's
-            size and mtime, so a reinstalled wheel gets a fresh cache.
+            size and content, so every venv with the same wheel shares one copy.
         dtype: floating dtype of the returned model. The cache always holds float32.
 
     Returns:

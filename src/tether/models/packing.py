@@ -1,25 +1,13 @@
 """Padding-free scoring by packing: rows' valid tokens end to end, attention kept within each row.
 
 Every matrix product of a decoder layer is position-wise, so a pass over rows laid end to end
-computes no pad token at all; only attention must know where one row stops. Two kernels
-keep it inside rows:
-
-- Hugging Face's flash-attention integrations, when their kernel is installed (a CUDA
-  machine), run variable-length attention from the boundaries passed as ``cu_seq_lens_*``.
-- Everywhere else, for models whose attention goes through transformers' attention
-  interface, tether's own ``row_attention``: inside each layer it lays the packed queries,
-  keys and values out as ``[rows, heads, longest, dim]`` (right-padded) and runs causal SDPA.
-  A query never sees a later key, so right padding never reaches a real position; the pad
-  positions' outputs are dropped. Only attention, about a tenth of a pass, pays for padding.
-
-``row_attention`` is switched on for the length of one pass (``_compat.attention_kernel``)
-and refuses a call that carries no row boundaries, so it cannot leak into other calls. It
-does not implement sliding windows or logit soft-capping: models configured with either,
-and passes whose layers would re-run their forward under gradient checkpointing (after the
-switch is undone), keep the right-padded micro-batches of ``tether.models.scoring``.
-
-Passes are cut by ``score_plan.plan_micro_batches(packed=True)``: rows longest first, at most
-``token_budget`` real tokens per pass (a longer row gets a pass of its own).
+computes no pad token; only attention must know where a row stops. Hugging Face's
+flash-attention integrations do that from ``cu_seq_lens_*`` where their kernel is installed;
+elsewhere tether's ``row_attention`` lays each layer's packed queries, keys and values out per
+row and runs causal SDPA. ``row_attention`` is switched on for one pass only
+(``_compat.attention_kernel``) and refuses a call without row boundaries. Models with sliding
+windows or soft-capped attention, and checkpointed passes, keep the right-padded micro-batches
+of ``tether.models.scoring``. Passes are cut by ``score_plan.plan_micro_batches(packed=True)``.
 """
 
 from __future__ import annotations

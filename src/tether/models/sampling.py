@@ -1,42 +1,44 @@
 """Ancestral sampling from a causal LM with exact per-token log-probs.
 
-tether samples with its own decode loop over the model's KV cache instead of
-``model.generate``: the log-prob of each sampled token is read from the very distribution it
-was drawn from, ``softmax(logits / temperature)`` in float32, so the sampling log-probs and
-the trainer's recomputed log-probs agree to float precision (ratio 1 on-policy) and no
-``[B, T, V]`` tensor of per-step scores is ever kept.
-
-Top-k / top-p truncate the distribution that is *sampled*; the recorded log-prob stays the
-one under the untruncated temperature-scaled distribution, which is what the trainer
-recomputes, so importance ratios stay consistent.
-
-Rows that have emitted an end-of-sequence token are dropped from the batch (and from the
-KV cache) at once, so a batch of mixed response lengths costs close to its real tokens, and
-a prompt repeated ``G`` times (a GRPO group) is prefilled once and its cache copied.
-The loop's only host syncs are the finished-row checks (has every row ended, has any), so
-on a GPU the next step's kernels are queued while nothing else waits on the device.
-
-``draw`` lets several processes sample one batch together (``tether.train.sharding``): it
-turns this process's rows' probabilities into tokens and says when every process's rows are
-done, so a process whose rows ended early keeps taking part in each step's draw.
+tether samples with its own decode loop over the model's KV cache instead of ``model.generate``:
+each sampled token's log-prob is read from the very distribution it was drawn from,
+``softmax(logits / temperature)`` in float32, so sampling and training log-probs agree to
+float precision. Top-k / top-p truncate what is sampled, not what is recorded. Finished rows
+leave the batch and its cache at once; a prompt repeated ``G`` times is prefilled once. The
+only host syncs are the finished-row checks. ``past`` continues rows from an earlier call's
+``keep_cache=True`` (``RowCache``), prefilling only their new tokens (a multi-turn rollout's
+turns). ``draw`` lets several processes sample one batch together (``tether.train.sharding``).
+Rationale in the docs (``docs/design.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from tether._compat import new_cache, select_cache_rows
+from tether._compat import cache_layers, new_cache, select_cache_rows
 from tether.models._limits import check_fits_model
 from tether.models.score_plan import distinct_rows
 from tether.ops.checks import real_number, whole_number
 from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
+
+
+@dataclass(frozen=True)
+class RowCache:
+    """What the model has read of one row: per layer, keys and values ``[heads, length, head_dim]``
+    of the row's tokens so far (its context and every sampled token but the last)."""
+
+    layers: tuple[tuple[Tensor, Tensor], ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0][0].shape[1])
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,15 @@ class SampleOutput:
         mask: ``bool [B, R]``, True on every sampled token including the eos that ended it.
         log_probs: ``float32 [B, R]``, log-prob of each sampled token, 0 where masked.
         finished: ``bool [B]``, True where the row ended with an eos token (not truncated).
+        caches: with ``keep_cache=True``, each row's ``RowCache`` (None for a model whose cache
+            is not a plain full-attention one), to continue the row in a later call.
     """
 
     tokens: Tensor
     mask: Tensor
     log_probs: Tensor
     finished: Tensor
+    caches: tuple[RowCache | None, ...] | None = None
 
 
 class RowDraw(Protocol):
@@ -156,12 +161,16 @@ def _check_row_limits(row_limits: Tensor | None, batch: int, max_new_tokens: int
     return row_limits.to(device=device, dtype=torch.long)
 
 
-def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor, object, Tensor]:
-    """Run the prompts once: last-position logits ``[B, 1, V]``, the KV cache, next positions ``[B, 1]``.
+def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor,
+             past: Sequence[RowCache | None] | None = None) -> tuple[Tensor, object, Tensor, Tensor]:
+    """Run the prompts once: last-position logits ``[B, 1, V]``, the KV cache, next positions
+    ``[B, 1]`` and the attention mask over the cache's columns ``[B, S]``.
 
     GRPO repeats each prompt G times, so each distinct prompt is prefilled once and its
     cache rows are copied to the rows that repeat it.
     """
+    if past is not None and any(p is not None for p in past):
+        return _prefill_after(model, prompt_ids, mask, past)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     first, inverse = distinct_rows(prompt_ids.masked_fill(~mask.bool(), -1))
     share = first.shape[0] < prompt_ids.shape[0]
@@ -172,7 +181,41 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor
     if share:
         logits = logits[inverse]
         select_cache_rows(cache, inverse)
-    return logits, cache, position[:, -1:] + 1
+    return logits, cache, position[:, -1:] + 1, mask
+
+
+def _prefill_after(model: nn.Module, new_ids: Tensor, mask: Tensor,
+                   past: Sequence[RowCache | None]) -> tuple[Tensor, object, Tensor, Tensor]:
+    """``_prefill`` of each row's new tokens after its cached ones. Columns: the caches
+    left-padded to the longest, then the new tokens left-padded; the mask skips both paddings
+    and the positions count each row's real tokens."""
+    known = next(p for p in past if p is not None)
+    lengths = torch.tensor([0 if p is None else p.length for p in past], device=mask.device)
+    width = int(lengths.max())
+    layers = []
+    for layer, (k0, v0) in enumerate(known.layers):
+        def padded(which: int, like: Tensor) -> Tensor:
+            rows = [like.new_zeros(like.shape[0], width, like.shape[2]) if p is None else
+                    nn.functional.pad(p.layers[layer][which], (0, 0, width - p.length, 0)) for p in past]
+            return torch.stack(rows)
+        layers.append((padded(0, k0), padded(1, v0)))
+    held = torch.arange(width, device=mask.device) >= width - lengths[:, None]
+    full = torch.cat([held.long(), mask], dim=-1)
+    position = lengths[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = new_cache(layers)
+    logits = model(input_ids=new_ids, attention_mask=full, position_ids=position, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits
+    return logits, cache, position[:, -1:] + 1, full
+
+
+def _keep_rows(cache: object, mask: Tensor, alive: Tensor, rows: Tensor, kept: list) -> None:
+    """Each of ``rows``'s cache (live-batch indices) into ``kept`` at its original row (``alive``)."""
+    layers = cache_layers(cache)
+    if layers is None:  # sliding-window or other caches: the next call prefills the row again
+        return
+    for j in rows.tolist():
+        valid = mask[j].bool()
+        kept[int(alive[j])] = RowCache(tuple((k[j][:, valid], v[j][:, valid]) for k, v in layers))
 
 
 def _draw(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, do_sample: bool,
@@ -204,6 +247,8 @@ def sample_responses(
     generator: torch.Generator | None = None,
     row_limits: Tensor | None = None,
     draw: RowDraw | None = None,
+    past: Sequence[RowCache | None] | None = None,
+    keep_cache: bool = False,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
@@ -223,25 +268,33 @@ def sample_responses(
             reaches its limit, like a row that sampled an eos, but is not ``finished``.
         draw: how tokens are drawn and when sampling ends (None: ``LocalDraw``); a shared
             draw may leave this process with no live row while others still sample.
+        past: optional ``RowCache`` per row (None: the row starts here): ``prompt_ids`` then
+            holds only each row's tokens after its cached ones.
+        keep_cache: return each row's ``RowCache`` in ``SampleOutput.caches``.
     """
     check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
     prompt_mask = check_prompts(prompt_ids, prompt_mask)
-    check_fits_model(model, prompt_ids, prompt_mask, new_tokens=max_new_tokens, role="prompt_ids")
     batch, device = prompt_ids.shape[0], prompt_ids.device
+    if past is not None and len(past) != batch:
+        raise ValueError(f"past: expected one RowCache or None per row ({batch}), got {len(past)}.")
+    cached = max((p.length for p in past or () if p is not None), default=0)
+    check_fits_model(model, prompt_ids, prompt_mask, new_tokens=max_new_tokens + cached, role="prompt_ids")
     limits = _check_row_limits(row_limits, batch, max_new_tokens, device)
     draw = LocalDraw() if draw is None else draw
     pick = functools.partial(_draw, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
                              generator=generator, draw=draw)
-    logits, cache, next_pos = _prefill(model, prompt_ids, prompt_mask.long())
-    return _decode(model, logits, cache, next_pos, prompt_mask.long(), limits,
-                   torch.tensor(sorted(eos_ids), device=device), pad_id, max_new_tokens, pick, draw)
+    logits, cache, next_pos, mask = _prefill(model, prompt_ids, prompt_mask.long(), past)
+    kept: list | None = [None] * batch if keep_cache else None
+    out = _decode(model, logits, cache, next_pos, mask, limits, torch.tensor(sorted(eos_ids), device=device),
+                  pad_id, max_new_tokens, pick, draw, kept)
+    return out if kept is None else dataclasses.replace(out, caches=tuple(kept))
 
 
 def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, mask: Tensor, limits: Tensor,
             eos: Tensor, pad_id: int, max_new_tokens: int, pick: Callable[[Tensor], tuple[Tensor, Tensor]],
-            draw: RowDraw) -> SampleOutput:
+            draw: RowDraw, kept: list | None = None) -> SampleOutput:
     """The decode loop after ``_prefill``: one token per live row per step; a row leaves the batch
-    (and the KV cache) at an eos or its limit."""
+    (and the KV cache) at an eos or its limit, its cache first copied into ``kept`` when given."""
     batch, device = limits.shape[0], limits.device
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -257,8 +310,12 @@ def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, m
         finished[alive] = finished[alive] | ended  # no boolean-mask index: no host sync on CUDA
         ended = ended | (limits[alive] <= step + 1)
         if step + 1 == max_new_tokens or draw.all_ended(ended):
+            if kept is not None:
+                _keep_rows(cache, mask, alive, torch.arange(alive.numel()), kept)
             break
         if bool(ended.any()):
+            if kept is not None:
+                _keep_rows(cache, mask, alive, ended.nonzero().flatten(), kept)
             keep = (~ended).nonzero().flatten()
             select_cache_rows(cache, keep)
             alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]

@@ -1,24 +1,12 @@
 """Padding-free scoring of token sequences under a causal LM.
 
-``score_tokens`` returns, for every position ``t`` of every row, ``log p(x_t | x_<t)`` (and
-optionally the entropy of that predictive distribution) without ever materialising the
-``[B, T, V]`` logits of the batch:
-
-* Rows are packed end to end, at most a token budget of real tokens per pass, with an
-  attention kernel that keeps each row to itself (``tether.models.packing``): no pad token
-  goes through a matrix product. Models that kernel cannot serve (sliding window,
-  soft-capped attention, attention outside transformers' interface) get rows sorted by
-  length and cut into right-padded micro-batches whose padded size stays under the budget;
-  causal attention never lets a real position see a pad or a later token.
-* The decoder's last hidden states go through ``tether.ops.token_stats_from_hidden``, which
-  computes the head in chunks and recomputes them in backward.
-
-Models whose logits are not a plain linear head of the last hidden state (final-logit
-soft-capping, logit scaling, anything else a model class does after its head) are scored
-through their own ``logits`` one micro-batch at a time instead; that path is exact but keeps
-one micro-batch of logits alive. Which path a model takes is decided once per model by
-comparing its own logits with ``head(decoder(...))`` on a short probe sequence, so an
-unknown architecture is never scored through a head it does not use.
+``score_tokens`` returns ``log p(x_t | x_<t)`` for every position of every row (and optionally
+the entropy) without materialising the batch's ``[B, T, V]`` logits: rows are packed end to end
+(``tether.models.packing``), or cut into right-padded micro-batches for models packing cannot
+serve, and the decoder's last hidden states go through ``tether.ops.token_stats_from_hidden``.
+Models whose logits are not a plain linear head of the last hidden state are scored through
+their own ``logits`` one micro-batch at a time; which path a model takes is decided once, on a
+short probe sequence. Details in the docs (``docs/design.md``).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Ray plumbing shared by ``tether.ray``: the cluster check, a loopback-only local cluster,
 named actors, resources, devices.
 
-tether never starts a Ray cluster as a side effect of building or using a transform, a
-service or a pool: ``require_ray`` (and the ``needs_ray`` decorator on every method that talks
-to Ray) raises ``RayNotInitializedError`` with the line to run instead, where Ray's own call
-would silently start a fresh cluster. A cluster is started only by an explicit
-``start_local_cluster(num_cpus)`` call, which the ``tether train --workers N`` recipe makes
-when no ``ray_address`` is given.
-
-Every wait on Ray is bounded: ``connect_cluster`` checks within a timeout that something
-listens where Ray will dial (``ray.init`` retries an empty address for ever), and
-``get_within`` / ``wait_ready`` turn Ray's timeout into a ``TimeoutError`` that names what was
-awaited, for how long, and the knob to raise.
-
-``start_local_cluster`` binds every Ray process to 127.0.0.1. A plain local ``ray.init()``
-does not: on Linux, Ray 2.x takes the machine's routable address as the node address
-(``services.get_node_ip_address`` returns it whenever ``ray_constants.ENABLE_RAY_CLUSTER`` is
-true, the default outside Windows and macOS), and GCS, raylet, agents and workers listen on
-it or on all interfaces; ``ray.init(_node_ip_address="127.0.0.1")`` alone does not help, because
-``resolve_ip_for_localhost`` maps the loopback back to that same routable address.
+tether never starts a Ray cluster as a side effect: ``require_ray`` (and the ``needs_ray``
+decorator) raises ``RayNotInitializedError`` with the line to run instead; only an explicit
+``start_local_cluster(num_cpus)`` starts one, bound to 127.0.0.1 (a plain local ``ray.init()``
+binds to the machine's routable address on Linux; ``docs/design.md`` has why). Every wait is
+bounded: ``connect_cluster`` checks that something listens, ``get_within`` / ``wait_ready``
+turn Ray's timeout into a ``TimeoutError`` naming what was awaited and the knob to raise.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """``RayKLRewardTransform`` and ``RayRetrieveKL``: tether's LLM KL transforms hosted in a Ray actor.
 
-The actor builds the local transform (``tether.llm.KLRewardTransform`` / ``RetrieveKL``)
-and so holds the reference model; the object the caller keeps is a thin TensorDict module.
-A call sends the batch to the actor on the CPU, the actor moves it to ``device``, runs the
-local transform there and sends the transformed batch back, and the caller writes every
-entry into its own TensorDict on the caller's device. The values are therefore those of the
-local transform: same code, same tokens, same masks.
+The actor builds the local transform (``tether.llm.KLRewardTransform`` / ``RetrieveKL``) and
+holds the reference model; the caller keeps a thin TensorDict module whose results are those
+of the local transform, written on the caller's device. ``ref_model_factory`` runs inside the
+actor (no weights travel); callers naming the same ``actor_name`` share one actor. Ray must be
+initialised first (``RayNotInitializedError``); every wait is bounded (``ready_timeout_s``,
+``timeout_s``).
 
-``ref_model_factory`` is called inside the actor, so no weights travel; a ``ref_model``
-passed directly is pickled and shipped once, at construction. Callers that name the same
-``actor_name`` share one actor (and one copy of the model): the second finds the first with
-``ray.get_actor`` and builds nothing.
-
-Ray must be initialised before construction and for every later call
-(``RayNotInitializedError`` otherwise): a transform that quietly started a cluster would
-leave processes behind in a user's session, listening beyond the loopback. Every wait on the
-actor is bounded: ``ready_timeout_s`` for it to be placed and built (a ``num_gpus`` the
-cluster lacks would keep it pending for ever), ``timeout_s`` for each later call.
-
-Departures from the TorchRL seed: separate classes rather than a metaclass that swaps the
-type a constructor returns; construction waits for the actor, so a failing factory or a bad
-keyword is reported where the transform is built rather than at the first batch; unknown
-keywords are refused locally with the list of valid ones; ``detach=False`` is refused
-because an autograd graph cannot cross a process boundary; ``kl_coef`` reads and writes
-the coefficient of the shared actor, so a KL controller can drive it.
+Departures from the TorchRL seed: separate classes, not a metaclass swap; construction waits
+for the actor, so a failing factory is reported where the transform is built; unknown keywords
+are refused locally; ``detach=False`` is refused (a graph cannot cross processes); ``kl_coef``
+reads and writes the shared actor's coefficient.
 """
 
 from __future__ import annotations

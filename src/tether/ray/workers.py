@@ -1,28 +1,13 @@
 """Rollout workers on Ray: policy copies that sample whole prompt groups and score the reference
 through one shared ``ReferenceService``.
 
-``RolloutPool`` owns ``N`` ``RolloutWorker`` actors. Each step it
-
-1. ships the learner's trainable weights (the LoRA adapter or the full model) to every worker
-   as one ``ray.put`` dict of CPU tensors;
-2. splits the step's prompts into ``N`` contiguous runs of whole groups, so every group of
-   ``G`` answers to one prompt is sampled by one worker;
-3. lets each worker sample its share with its own generator, seeded from
-   ``(seed, step, worker index)``: for a fixed ``N`` the sampled tokens are a function of
-   the weights and those three numbers, whatever the timing;
-4. has each worker send its ``(tokens, mask)`` to the service under the id
-   ``<pool>-r<rollout call>-w<worker>``, in a group holding the step's rows: the service
-   scores the step in one batch as soon as the last worker's rows arrive, and packs it in id
-   order, so the reference log-probs do not depend on which worker finished first;
-5. merges the shards, left-padded like the in-process sampler's output, into one batch in
-   prompt order.
-
-A service that dies is rebuilt by Ray, with its factory's weights. Before a step the pool
-asks the service which weights it holds and sends the moved reference again if they are not
-the latest (``sync_reference``). A restart during a step is caught too: while the workers
-sample, the pool watches the service's pid and flushes the open batch of a new instance,
-which may never see the rows an earlier instance answered; afterwards every shard whose
-reply was scored with other weights than those pushed is scored again, after a new push.
+``RolloutPool`` owns ``N`` ``RolloutWorker`` actors. Each step it ships the learner's trainable
+weights to every worker, splits the prompts into ``N`` runs of whole groups, lets each worker
+sample with a generator seeded from ``(seed, step, worker index)``, has the service score the
+step's rows in one batch packed in id order (so the reference log-probs do not depend on which
+worker finished first), and merges the shards in prompt order. A service that dies is rebuilt
+by Ray; the pool pushes a moved reference again and re-scores rows that another instance
+answered. The step in full is in the docs (``docs/design.md``).
 """
 
 from __future__ import annotations

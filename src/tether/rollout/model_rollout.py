@@ -1,31 +1,15 @@
 """``RolloutFromModel``: sample responses from a causal LM and lay them out as RL episodes.
 
-Each prompt becomes an episode of ``max_new_tokens`` steps (one token per step) in the
-seeds' TensorDict layout: ``action``, ``sample_log_prob`` and ``("next", reward / done /
-terminated ...)``, batch size ``[B, N]`` with the time dimension named ``"time"``. The
-reward is the reward model's score of the finished sequence minus its score of the
-reference completion, clipped and paid at the last step, plus a per-token KL penalty
-``-kl_coef * (log pi - log pi_ref)`` on every generated step.
+Each prompt becomes an episode of ``max_new_tokens`` steps in the seeds' TensorDict layout
+(``action``, ``sample_log_prob``, ``("next", reward / done / terminated ...)``, batch ``[B, N]``).
+The reward is the reward model's score of the finished sequence minus that of the reference
+completion, clipped and paid at the last step, plus ``-kl_coef * (log pi - log pi_ref)`` a step.
 
-Departures from the TorchRL seed, and why:
-
-* eos and pad ids come from the caller, the tokenizer or the model config (the seed
-  hard-coded GPT-2's 50256), so any tokenizer works, pad == eos included.
-* Sampling runs tether's own decode loop (``tether.models.sampling``), and the policy and
-  reference log-probs of the generated tokens are recomputed by ``score_tokens`` under the
-  *same* temperature-scaled distribution. The seed read sample log-probs from
-  ``generate``'s processed scores and the log-ratio from untempered logits, so the two
-  disagreed whenever the temperature was not 1.
-* No loop over rows; the step-wise token views are not materialised unless asked for
-  (``materialize_steps=True`` or ``stepwise_views``), so the output is linear in
-  ``max_new_tokens`` instead of ``O(B * N * (L + N))`` (see ``tether.rollout.steps``).
-* ``done`` marks one step per row and the end is searched for in the response only; see
-  ``tether.rollout.steps`` for the exact semantics and the seed's double ``done``.
-* The reward model sees the generated sequence with its eos token (the seed masked every
-  eos out, so the closing token was never scored).
-* The KL history holds per-sequence summed log-ratios (nats per sequence), the quantity
-  ``AdaptiveKLController`` targets; the seed queued means of ``-coef * kl`` over the padded
-  steps, whose scale changed with the coefficient and the padding.
+Departures from the TorchRL seed: eos and pad ids from the caller, tokenizer or model config
+(not GPT-2's 50256); sample log-probs and the log-ratio under the same temperature-scaled
+distribution; no loop over rows and step-wise views only on request (linear memory); ``done``
+once per row, searched in the response only; the reward model sees the eos token; the KL
+history holds per-sequence summed log-ratios. Why, point by point: ``docs/design.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """``MultiTurnRollout``: a batch of conversations advances turn by turn, calling tools as it goes.
 
-Each turn samples one assistant message for every conversation still running, with the
-policy wrapper's own sampler (``tether.models.sampling.sample_responses``: exact per-token
-log-probs under the temperature-scaled distribution). Tool calls in the message (parsed by
-``tool_format``, see ``tether.rollout.tool_calls``) are run (``tether.rollout.tools``) and
-their results appended as tool turns, and the conversation goes on. An episode ends at
+Each turn samples one assistant message for every running conversation with the wrapper's own
+sampler; tool calls in it are run and their results appended as tool turns. An episode ends at
+``"answer"`` (no tool call), ``"max_turns"``, ``"token_budget"`` (``max_tokens`` reached) or
+``"length"`` (``max_new_tokens`` without an end-of-turn). Finished conversations leave the
+batch.
 
-* ``"answer"``: an assistant message without a tool call;
-* ``"max_turns"``: the ``max_turns``-th assistant message (its tool calls are not run);
-* ``"token_budget"``: the conversation reached ``max_tokens`` tokens (prompt, every turn and
-  every tool result), mid-message or after a tool turn;
-* ``"length"``: a message reached the wrapper's ``max_new_tokens`` without an end-of-turn.
-
-Finished conversations leave the batch: a turn samples only the running ones, and a row
-that reaches its remaining budget leaves the decode loop at once (``row_limits``).
-
-Token-first: each conversation is kept as token ids, never re-tokenised from text. The
-prompt is the chat template's rendering; each assistant message is exactly the sampled
-ids (with the end-of-turn token that closed it); after it comes the template's text that
-follows an assistant turn, the tool turns and the next generation prompt, taken from the
-rendering of the chat with the tool turns, from just after the end-of-turn token of the
-rendered assistant turn. So the log-probs recorded at sampling are those of the very ids
-the trainer scores, and the assistant mask is True on exactly the sampled tokens: every
-assistant message's content and its end-of-turn token, nothing the user or a tool wrote.
-Earlier turns are prefilled again each turn (no KV cache is kept across turns).
+Token-first: each conversation is kept as token ids, never re-tokenised, so the log-probs
+recorded at sampling are those of the very ids the trainer scores and the assistant mask is
+True on exactly the sampled tokens (with their end-of-turn token). Each row's KV cache is kept
+from one turn to the next (``kv_cache=True``), so a turn prefills only its new tokens. How the
+ids are stitched together: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tether.models import TransformersWrapper
 from tether.models.batch_io import read_chats, write_objects, write_ragged
 from tether.models.chat import render_chat_ids
-from tether.models.sampling import sample_responses
+from tether.models.sampling import RowCache, sample_responses
 from tether.ops.checks import whole_number
 from tether.rollout.tool_calls import ParsedCall, resolve_tool_format
 from tether.rollout.tools import Tool, ToolResult, resolve_tools, run_tool_call
@@ -87,6 +74,8 @@ class MultiTurnRollout(TensorDictModuleBase):
         tool_format: a name from ``TOOL_CALL_FORMATS`` or a parser ``text -> [ParsedCall]``.
         tool_role: the role of tool-result messages in the chat.
         tokenizer_kwargs: extra ``apply_chat_template`` arguments (template variables).
+        kv_cache: keep each row's KV cache across turns (False: prefill the whole
+            conversation every turn).
 
     Reads ``("history", "prompt")``. Writes ``("tokens", "full")``,
     ``("masks", "all_attention_mask")``, ``("masks", "all_assistant_mask")``,
@@ -106,6 +95,7 @@ class MultiTurnRollout(TensorDictModuleBase):
         tool_format: str | Callable[[str], list[ParsedCall]] = "hermes",
         tool_role: str = "tool",
         tokenizer_kwargs: Mapping[str, Any] | None = None,
+        kv_cache: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(policy, TransformersWrapper) or not policy.generate or policy.input_mode != "history":
@@ -124,6 +114,8 @@ class MultiTurnRollout(TensorDictModuleBase):
         self.max_tokens = None if max_tokens is None else whole_number("max_tokens", max_tokens, low=1)
         self.tool_role = tool_role
         self.tokenizer_kwargs = dict(tokenizer_kwargs or {})
+        self.kv_cache = bool(kv_cache)
+        self._caches: dict[tuple[int, ...], RowCache] | None = None  # during forward: conversation so far -> its cache
         self.in_keys = [("history", "prompt")]
         key = policy.log_probs_key
         self.out_keys = [("tokens", "full"), ("masks", "all_attention_mask"), ("masks", "all_assistant_mask"),
@@ -134,11 +126,15 @@ class MultiTurnRollout(TensorDictModuleBase):
     # ---------------------------------------------------------------- episode loop
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         episodes = [self._start(i, chat) for i, chat in enumerate(read_chats(td, ("history", "prompt")))]
-        for _ in range(self.max_turns):
-            running = [e for e in episodes if e.end is None]
-            if not running:
-                break
-            self._turn(running)
+        self._caches = {} if self.kv_cache else None
+        try:
+            for _ in range(self.max_turns):
+                running = [e for e in episodes if e.end is None]
+                if not running:
+                    break
+                self._turn(running)
+        finally:
+            self._caches = None
         self._write(td, episodes)
         return td
 
@@ -166,22 +162,39 @@ class MultiTurnRollout(TensorDictModuleBase):
     def sample_turn(self, rows: list[list[int]], limits: list[int]) -> list[tuple[list[int], list[float], bool]]:
         """One assistant message per row: ``(sampled ids, their log-probs, ended by an eos)``."""
         wrapper, opts = self.policy, self.policy.generate_kwargs
-        ids = pad_sequence([torch.tensor(r) for r in rows], batch_first=True,
+        past = self._cached(rows)
+        new = [r if p is None else r[p.length:] for r, p in zip(rows, past)]
+        ids = pad_sequence([torch.tensor(r) for r in new], batch_first=True,
                            padding_value=wrapper.pad_id, padding_side="left")
-        mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in rows], batch_first=True,
+        mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in new], batch_first=True,
                             padding_value=False, padding_side="left")
         sample = sample_responses(
             wrapper.model, ids.to(wrapper.device), mask.to(wrapper.device),
             max_new_tokens=max(limits), eos_ids=wrapper.eos_ids, pad_id=wrapper.pad_id,
             temperature=wrapper.temperature, top_k=opts.get("top_k"), top_p=opts.get("top_p"),
             do_sample=bool(opts.get("do_sample", True)), generator=opts.get("generator"),
-            row_limits=torch.tensor(limits),
+            row_limits=torch.tensor(limits), past=past if any(past) else None, keep_cache=self._caches is not None,
         )
         out = []
-        for tokens, valid, log_probs, finished in zip(sample.tokens.cpu(), sample.mask.cpu(),
-                                                      sample.log_probs.cpu(), sample.finished.cpu()):
+        for i, (tokens, valid, log_probs, finished) in enumerate(zip(sample.tokens.cpu(), sample.mask.cpu(),
+                                                                     sample.log_probs.cpu(), sample.finished.cpu())):
             out.append((tokens[valid].tolist(), log_probs[valid].tolist(), bool(finished)))
+            if sample.caches is not None and sample.caches[i] is not None:
+                self._caches[tuple(rows[i] + out[-1][0])] = sample.caches[i]
         return out
+
+    def _cached(self, rows: list[list[int]]) -> list[RowCache | None]:
+        """Each row's cache from its last turn (taken out of the store), or None: a row continues the
+        conversation ``key`` when it starts with ``key``; the cache holds all of ``key`` but its last id."""
+        if not self._caches:
+            return [None] * len(rows)
+        lengths = sorted({len(key) for key in self._caches}, reverse=True)
+        past = []
+        for row in rows:
+            key = next((tuple(row[:n]) for n in lengths if n < len(row) and tuple(row[:n]) in self._caches), None)
+            past.append(None if key is None else self._caches.pop(key))
+        self._caches.clear()  # the rest ended with their episodes
+        return past
 
     def _turn(self, running: list[_Episode]) -> None:
         limits = [self._limit(e) for e in running]

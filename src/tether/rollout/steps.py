@@ -1,25 +1,13 @@
 """Episode bookkeeping of a token rollout: where it ends, and its per-step token views.
 
-A generated response of ``N`` steps is an episode whose step ``i`` observes the prompt plus
-the first ``i`` response tokens and acts with token ``i``. The seed materialised that
-observation for every step as ``[B, N, L + N]`` id and mask tensors, which is quadratic
-in the sequence length. tether stores the final sequence once (a stride-0 view expanded
-over the steps, so indexing a rollout by step still yields a row's sequence) plus the
-per-step number of visible tokens, and builds the seed's tensors on request with
-``stepwise_views``. Beware that ``clone()``/``contiguous()`` of such a TensorDict copies the
-expanded view into a real ``[B, N, L + N]`` tensor: drop the ``"sequence"`` key first if
-that matters.
+Step ``i`` of a response observes the prompt plus the first ``i`` response tokens. The seed
+materialised that as ``[B, N, L + N]`` tensors (quadratic); tether stores the final sequence
+once (a stride-0 view over the steps) and builds the seed's tensors on request with
+``stepwise_views`` (``clone()`` of such a TensorDict copies the expanded view).
 
-Step semantics (fixed where the seed was off):
-
-* ``done`` is True exactly once per row: at the first eos of the response, or at the last
-  step when no eos was sampled (the seed also set it at the last step of rows that had
-  already ended, paying their score twice).
-* ``truncated`` is ``done`` without an eos; ``terminated = done & ~truncated``. An eos
-  sampled at the very last step terminates the episode (the seed called it truncated).
-* The end is searched for only among the response tokens, so an eos inside the prompt or a
-  pad id equal to the eos id cannot move it (the seed counted non-eos tokens of the whole
-  row).
+Fixed where the seed was off: ``done`` is True exactly once per row (first eos of the
+response, or the last step); ``truncated`` is ``done`` without an eos and an eos at the last
+step terminates; the end is searched for among the response tokens only.
 """
 
 from __future__ import annotations

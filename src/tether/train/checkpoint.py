@@ -1,25 +1,13 @@
 """Checkpoints of a training run: safetensors for every tensor, JSON for the rest.
 
-A checkpoint directory ``checkpoints/step_NNNNNN/`` holds
-
-* ``policy.safetensors``: the trainable parameters (LoRA adapters, or every weight);
-* ``reference.safetensors``: the reference weights, only when the reference moves (sync/EMA);
-* ``optimizer.safetensors`` + the param groups in ``state.json``;
-* ``rng.safetensors``: the global torch RNG and the sampling generator;
-* ``state.json``: step, data cursor, controller and reference-updater state;
-* ``manifest.json``: the size and SHA-256 of every other file, written last.
-
-It is written to a temporary directory and renamed into place, then ``checkpoints/latest``
-is replaced, so a process killed at any point leaves the previous checkpoint intact. The
-newest ``keep`` checkpoints are kept, so one damaged file does not end a run: the manifest
-tells a damaged checkpoint (truncated, edited, a file missing) from an intact one, and
-``newest_intact`` picks the newest intact one. Nothing is pickled.
-
-A sharded learner (``tether.train.sharding``) writes the same files: every rank takes part in
-gathering each sharded tensor in full, rank 0 alone writes them, and loading hands each rank
-its own shard of the full tensors again. So a checkpoint does not depend on the world size;
-a resume still refuses another one (``nproc`` is not a resumable key), because the sums of
-another split round differently and the run would no longer be bit-exact.
+``checkpoints/step_NNNNNN/`` holds ``policy.safetensors`` (trainable parameters),
+``reference.safetensors`` (only when the reference moves), ``optimizer.safetensors``,
+``rng.safetensors``, ``state.json`` (step, data cursor, controller and reference state) and
+``manifest.json`` (size and SHA-256 of every other file, written last). It is written beside
+and renamed into place, so a killed process leaves the previous checkpoint intact; the newest
+``keep`` are kept and ``newest_intact`` picks the newest the manifest vouches for. Nothing is
+pickled. A sharded learner writes the same files (rank 0 writes the gathered tensors); a resume
+on another world size is refused (the sums would round differently).
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """The KL the leash is measured by: the sampled k1 estimate and the exact full-vocabulary KL.
 
-Both are per answer (summed over its response tokens):
+Both are per answer (summed over its response tokens). Sampled: k1 along the sampled tokens,
+unbiased but noisy (a batch mean can be negative). Exact: the full-vocabulary KL at each
+position of the sampled answers, the same expectation without the per-token sampling noise,
+computed inside the loss pass from the reference's kept hidden states (two head projections,
+no extra forward).
 
-* sampled: ``sum_t log pi_sampler(y_t) - log pi_ref(y_t)`` over the sampled tokens (k1).
-  Unbiased for the sequence KL, but each token adds the noise of its own draw, and a
-  batch mean can even be negative.
-* exact: ``sum_t KL(pi(.|y_<t) || pi_ref(.|y_<t))`` over the full vocabulary at each
-  position of the sampled answers. Its expectation over answers is the same sequence KL;
-  it drops the per-token sampling noise (a Rao-Blackwellised estimate) and is never
-  negative. It is computed inside the loss pass (the recipe's ``token_terms`` on a
-  ``StepRecord`` carrying the reference's hidden states at the answer tokens), so it costs
-  two output-head projections at the answer positions and no extra forward pass.
-
-With ``kl_signal=exact`` (the default) the ``kl_bound`` check, the summary and the
-``kl_signal`` entry of each record read the exact KL: it has the same expectation as the
-sampled one with less variance, and it is never negative. The KL controller reads the
-sampled KL of the batch it is about to train on instead, because that one is known before
-the update: the exact KL comes out of the loss pass, when the update's beta is already in
-the gradient, so a controller fed it acts one step later, and on a KL that accumulates a
-step of delay costs more than the sampled KL's extra noise. On the default run the two
-batch means differ by a standard deviation of 0.2 nats at 2.5 nats (36 steps of three
-runs), while either moves by 0.3 to 0.7 nats a step (see ``tether.control.target``).
-
-With one update per rollout the loss pass runs on the weights that sampled the batch, so
-both KLs describe the sampling policy; with several, each mini-batch's exact KL is that of
-the weights its update started from. Without an exact KL (a head that is not a linear map
-of the last hidden state, or a reference scored by a Ray ``ReferenceService``, which
-returns log-probs only) the sampled KL is used and the record's ``kl_signal`` says so.
-
-``kl_controller=budget`` measures after the optimizer step too (``hold_kl_budget``): the
-updated weights' KL on the step's own answers, exact from the kept reference hidden states, or
-k1 against the reference log-probs where there are none (Ray), one policy forward a reading.
+``kl_signal=exact`` (default) feeds ``kl_bound`` and the summary; the controller reads the
+sampled KL of the batch it is about to train on, known before the update. Without an exact KL
+(a non-linear head, a Ray ``ReferenceService``) the sampled one is used and the record says so.
+``hold_kl_budget`` measures the updated weights for ``kl_controller=budget``. Why each signal
+goes where it does, with the measurements: ``docs/leash.md``.
 """
 
 from __future__ import annotations

@@ -2,33 +2,26 @@
 
 ``--reward-funcs FILE.py`` follows TRL's ``GRPOTrainer`` convention: each function is called
 once per batch by keyword, ``f(prompts=..., completions=..., completion_ids=..., **columns)``,
-one entry per sample in every list (a prompt's columns repeated for each of its ``G``
-answers), and returns one ``float`` or ``None`` per sample. With ``--prompt-format chat`` a
-prompt is its messages and a completion ``[{"role": "assistant", "content": text}]``; with
-``text`` both are strings. The functions are the file's ``REWARD_FUNCS``, or else its public
-functions in order. ``--reward-model DIR`` adds a local sequence-classification model as one
-more function, named after its directory, scoring prompt and completion rendered as TRL does.
-
-A sample's reward is ``sum_i w_i r_i`` over the functions that apply to it (``None``: does not
-apply, TRL's ``nansum``). A sample no function applies to is an error, not TRL's warning and
-0: its advantage would come from a number nobody gave. Each function's mean where it applies
-is logged under ``reward/<name>``.
-
-A function that raises or returns a wrong length, a non-number or a non-finite number raises
-``RewardError`` naming the function, its file and the sample (found by calling it on each
-sample alone when the batch call raised). With a dataset, a function whose signature the
-columns cannot fill is refused before any model loads.
+and returns one ``float`` or ``None`` per sample; the file's ``REWARD_FUNCS``, or else its
+public functions in order. ``--reward-model DIR`` adds a local sequence-classification model
+as one more function. A sample's reward is ``sum_i w_i r_i`` over the functions that apply to
+it; a sample no function applies to is an error (TRL warns and gives 0), and each function's
+mean is logged under ``reward/<name>``. A function that raises or returns a bad value raises
+``RewardError`` naming the function, its file and the sample; ``async def`` functions of a
+step run concurrently in one event loop. The full convention: ``docs/rewards.md``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import reprlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -128,9 +121,15 @@ class FunctionScorer:
 
     def score(self, samples: Samples, where: str) -> Scores:
         inputs, n = self._inputs(samples), len(samples.completions)
+        outputs = [_call(func, inputs, n, samples, where) for func in self.functions]  # values or coroutines
+        pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
+        for i, result in zip(pending, _await_all([outputs[i] for i in pending])):
+            if isinstance(result, Exception):
+                _raise_named(self.functions[i], result, inputs, n, samples, where)
+            outputs[i] = result
         per_function = {}
-        for func in self.functions:
-            values = _checked_values(func, _call(func, inputs, n, samples, where), n, samples, where)
+        for func, out in zip(self.functions, outputs):
+            values = _checked_values(func, out, n, samples, where)
             per_function[func.name] = torch.tensor(values, dtype=torch.float64)
         table = torch.stack([per_function[f.name] for f in self.functions], dim=1)  # [B, F], NaN = None
         none = table.isnan().all(dim=1).nonzero().flatten().tolist()
@@ -183,23 +182,48 @@ def check_dataset_arguments(functions: list[RewardFunction], task: Any) -> None:
 
 
 def _call(func: RewardFunction, inputs: dict[str, list], n: int, samples: Samples, where: str) -> Any:
+    """``func`` on the batch: its values, or its coroutine when it is ``async``."""
     _check_arguments(func, list(inputs), "the batch")
     try:
         return func.fn(**inputs)
     except Exception as exc:  # user code: find the sample that breaks it
-        culprit = _first_failing(func, inputs, n)
-        which = _sample_text(samples, culprit) if culprit is not None else f"the batch of {n} samples (no sample alone fails)"
-        raise RewardError(f"reward function {func.name} ({func.origin}) raised {type(exc).__name__}: {exc} at "
-                          f"{where} on {which}. Fix the function.") from exc
+        _raise_named(func, exc, inputs, n, samples, where)
+
+
+def _raise_named(func: RewardFunction, exc: Exception, inputs: dict[str, list], n: int, samples: Samples,
+                 where: str) -> NoReturn:
+    culprit = _first_failing(func, inputs, n)
+    which = _sample_text(samples, culprit) if culprit is not None else f"the batch of {n} samples (no sample alone fails)"
+    raise RewardError(f"reward function {func.name} ({func.origin}) raised {type(exc).__name__}: {exc} at "
+                      f"{where} on {which}. Fix the function.") from exc
 
 
 def _first_failing(func: RewardFunction, inputs: dict[str, list], n: int) -> int | None:
     for i in range(n):
         try:
-            func.fn(**{k: v[i : i + 1] for k, v in inputs.items()})
+            out = func.fn(**{k: v[i : i + 1] for k, v in inputs.items()})
+            if inspect.isawaitable(out) and isinstance(_await_all([out])[0], Exception):
+                return i
         except Exception:
             return i
     return None
+
+
+def _await_all(awaitables: list) -> list:
+    """Results of ``awaitables`` run concurrently in one event loop (an exception in place of the
+    result of one that raised). Inside a running loop (a notebook), the loop runs on a thread."""
+    if not awaitables:
+        return []
+
+    async def gather() -> list:
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
 
 
 def _checked_values(func: RewardFunction, out: Any, n: int, samples: Samples, where: str) -> list[float]:

@@ -1,24 +1,15 @@
 """Tasks for ``tether train``: seeded problem streams with verifiable rewards.
 
-A ``Task`` is a record of plain callables, so a user task is a Python file that defines
-``TASK = Task(...)`` (or ``make_task()``) and is passed as ``--task path/to/file.py``.
+A ``Task`` is a record of plain callables; a user task is a Python file defining
+``TASK = Task(...)`` (or ``make_task()``), passed as ``--task path/to/file.py``. Problem ``i``
+is a pure function of ``(seed, i)``, so the data cursor is one integer and resume is exact; the
+held-out set comes from its own seed and is removed from the training stream.
 
-Problem ``i`` of the training stream is a pure function of ``(seed, i)``, which makes the
-data cursor a single integer and resume exact. The held-out evaluation set is drawn from
-its own seed and removed from the training stream, so evaluation is never trained on.
-
-The default task, ``arithmetic``, asks sums and differences of integers from 1 to 20 in a
-single user turn. Reward: 1.0 when the last integer in the response equals the answer,
-plus a format term of 0.1 when the response ends within 40 characters of that last integer
-(it answers rather than rambling on). The held-out score is accuracy only.
-
-A task with ``tool_use`` (a ``ToolUse`` record) is trained and evaluated on multi-turn
-rollouts (``tether.rollout.MultiTurnRollout``): its answers may call the named tools, and
-``reward`` / ``is_correct`` see the last assistant message. ``arithmetic-tools``
-(``tether.train.tool_task``) is the shipped one.
-
-What a task's callables return is checked where it is used: a wrong type raises
-``TaskError`` naming the task, the callable and its file, not an error deep in the recipe.
+The default ``arithmetic`` asks sums and differences of integers from 1 to 20. Reward: 1.0 when
+the response's last integer is the answer, plus 0.1 when the response ends within 40 characters
+of it. A task with ``tool_use`` runs multi-turn rollouts (``arithmetic-tools``, in
+``tether.train.tool_task``). A callable returning the wrong type raises ``TaskError`` naming
+the task, the callable and its file.
 """
 
 from __future__ import annotations

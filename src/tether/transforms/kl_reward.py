@@ -1,25 +1,13 @@
 """KL reward shaping for any probabilistic ``tensordict.nn`` actor.
 
 At construction the transform snapshots the actor's parameters and buffers (the frozen
-reference ``pi_0``). On a rollout it scores each recorded action under that snapshot and
-writes ``reward - coef * (log pi(a) - log pi_0(a))``: the single-sample (k1) estimate of
-``KL(pi || pi_0)`` is charged as a penalty.
+reference ``pi_0``); on a rollout it writes ``reward - coef * (log pi(a) - log pi_0(a))``.
 
-Departures from the TorchRL seed, and why:
-
-* The seed *adds* ``coef * kl`` and so rewards drifting away from the reference; tether
-  subtracts, as the formula in the seed's own documentation says.
-* The snapshot always follows ``.to(dtype / device)``: without ``requires_grad`` its tensors
-  are registered as buffers (the seed left them behind on a cast), with it as parameters.
-* The frozen copy runs in eval mode, so dropout does not randomise the reference and
-  batch-norm statistics of the snapshot are never updated in place.
-* It is a ``TensorDictModuleBase``, usable on offline rollouts without TorchRL; the TorchRL
-  environment transform lives in ``tether.integrations.torchrl``.
-* Missing entries raise a ``KeyError`` naming the key and listing those present; the
-  log-prob key is read from the actor instead of assuming ``"sample_log_prob"``. An actor
-  input absent from the rollout is left for the actor to judge (a recurrent actor's hidden
-  state is absent at the first step and the actor starts from zeros); the ``KeyError``
-  comes only if the actor cannot run without it.
+Departures from the TorchRL seed: it subtracts ``coef * kl`` (the seed adds it, rewarding
+drift); the snapshot follows ``.to(dtype / device)``; the frozen copy runs in eval mode; it is
+a ``TensorDictModuleBase`` usable without TorchRL (the environment transform is in
+``tether.integrations.torchrl``); missing entries raise a ``KeyError`` naming the key, and the
+log-prob key is read from the actor. Why, point by point: ``docs/design.md``.
 """
 
 from __future__ import annotations
