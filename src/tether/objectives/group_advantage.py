@@ -1,26 +1,11 @@
 """Monte-Carlo group advantages for a whole batch at once, with group labels.
 
-``mc_group_advantages`` is the vectorised core of ``MCAdvantage``: every sample (row) is a
-complete trajectory, ``group_ids`` says which rows answered the same prompt, and all groups
-are handled together by ``tether.ops.group_advantages`` (index-add over the labels, no
-Python loop per group).
-
-Two rules, chosen per call:
-
-* ``reward_to_go=False`` (the seed's rule): every valid reward entry is compared with all
-  valid entries of its group. With one scalar reward per trajectory this is the usual
-  GRPO / Dr. GRPO / RLOO advantage of that trajectory.
-* ``reward_to_go=True`` (for per-token, KL-shaped rewards): token ``t`` of row ``i`` gets
-  its return ``G_it = sum_{s >= t} r_is`` minus the group baseline of the trajectories'
-  total returns ``R_j = G_j0``, divided by the group spread of those totals for ``grpo``.
-  At the first token this is exactly the sequence-level advantage of ``R``; later tokens
-  drop the penalties already paid before them, which is what makes a per-token KL
-  penalty in the reward give the gradient of the sequence KL. The baseline is shared by
-  the whole group (for ``rloo`` it excludes the row itself), so it adds no bias beyond the
-  usual GRPO normalisation.
-
-A group whose trajectories all have the same total return gets 0 everywhere, as in
-``group_advantages`` (no division by a zero spread, no NaN).
+``mc_group_advantages`` is the vectorised core of ``MCAdvantage``: every row is a complete
+trajectory, ``group_ids`` says which rows answered the same prompt, and every group is handled
+at once by ``tether.ops.group_advantages``. ``reward_to_go=False`` (the seed's rule) compares
+each reward with its group's; ``reward_to_go=True`` gives token ``t`` its return from ``t`` on
+minus the group baseline of total returns (the gradient of a per-token KL penalty in the
+reward). A group whose returns are all equal gets 0. Rationale: docs/design.md.
 """
 
 from __future__ import annotations

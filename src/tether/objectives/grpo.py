@@ -1,26 +1,13 @@
 """``GRPOLoss``: the clipped GRPO objective with a KL leash, composed from ``tether.ops``.
 
-Shao et al. (2024) with the refinements that later work added, each an option. How it
-departs from the paper and from TorchRL's ``GRPOLoss`` (the seed), and why:
-
-* One ``actor_network.score`` call recomputes the current log-probs (and the exact
-  categorical entropy) padding-free from hidden states; no ``[B, T, V]`` logits.
-* The tokens trained on are an explicit mask (loss mask and attention mask). The seed took
-  ``log_prob != 0`` as "valid", which drops real tokens of probability 1 and counts none
-  of the padding problems it meant to catch.
-* Every loss term (surrogate, entropy bonus, both KL terms) is reduced by
-  ``tether.ops.aggregate`` with the same mode and mask, so the KL term follows the
-  aggregation mode and padding never dilutes it. The seed averaged the KL over the padded
-  grid: with 25 % valid tokens it reported a quarter of the KL.
-* The KL term defaults to the importance-weighted k3 of ``tether.ops.kl_loss_term``, whose
-  expected gradient is that of the reverse KL(pi || pi_ref) even off-policy; the seed's raw
-  k3 (``kl_correction=None``) follows the gradient of the forward KL. Like every per-token
-  KL loss, its sum over a response differentiates each token's KL with that token's
-  context held fixed: the effect of early tokens on the KL of later ones is not in the
-  gradient. For the exact sequence-KL gradient put k1 in the reward and use the
-  reward-to-go (``MCAdvantage(reward_to_go=True)``), or apply the term to sequence-level
-  log-probs.
-* Nothing is written into the caller's TensorDict (the seed stashed ``_cur_log_prob``).
+Shao et al. (2024) with later refinements as options. Departures from the paper and TorchRL's
+``GRPOLoss`` (the seed): one ``actor_network.score`` call gives log-probs and entropy without
+``[B, T, V]`` logits; the trained tokens are an explicit mask (the seed's ``log_prob != 0``
+dropped real tokens); every term is reduced by one ``aggregate`` (the seed averaged the KL over
+the padded grid); the KL term defaults to the importance-weighted k3, whose expected gradient is
+the reverse KL's even off-policy; nothing is written into the caller's TensorDict. The training
+recipe writes the same loss itself (``tether.train.recipe.token_terms``, held equal by a test).
+Rationale: docs/design.md.
 """
 
 from __future__ import annotations

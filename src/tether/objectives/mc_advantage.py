@@ -1,38 +1,12 @@
 """``MCAdvantage``: group complete trajectories by prompt and emit them with advantages.
 
 On the replay-buffer write path (``add``, alias ``_inv_call`` for TorchRL) each complete
-trajectory is queued under its prompt; when ``grpo_size`` trajectories of one prompt are in,
-the whole group is returned with an advantage entry, and its queue is emptied.
-
-Departures from the TorchRL seed, and why:
-
-* The queue of a prompt is emptied when its group is emitted. The seed kept a sliding
-  window (``deque(maxlen=grpo_size)``), so every later trajectory of that prompt re-emitted
-  the previous ``grpo_size - 1`` ones and the buffer filled with duplicates.
-* A batch with two or more dims is read as ``[..., steps]``: each row of the flattened
-  leading dims is a sequence of steps. The seed unbound the *last* (time) dim, which turns
-  time slices into fake trajectories.
-* Every trajectory of a batch must end with ``done``; a batch whose tail is unfinished is
-  refused as a whole (the seed only checked the final step of a single trajectory).
-* Prompts may be strings or chats (lists of ``{"role", "content"}`` messages, grouped by a
-  hash of their canonical JSON). Anything else raises a ``TypeError`` naming the fix.
-* Every trajectory of an ``add`` call is checked (done flags, prompt, rewards readable as
-  entries) before any is queued: a bad one is refused with an error and nothing already
-  queued is lost (the seed queued it and failed only when its group completed, dropping
-  the whole group).
-* TorchRL's replay buffers call the inverse (write path) only of TorchRL ``Transform``
-  objects; a plain module is wrapped so that its write path does nothing. Wrap this one
-  with ``tether.integrations.torchrl.as_replay_buffer_transform``; ``forward`` raises on
-  data that never went through ``add`` (no advantage) instead of passing it on silently.
-* Advantage modes beyond the z-score (``dr_grpo``, ``rloo``) and reward-to-go for per-token
-  rewards (see ``tether.objectives.group_advantage``). Per-token rewards stored padded need
-  their valid-entry mask under ``mask_key``; jagged (nested) rewards carry their own, ragged
-  at any dim (steps with rewards ``[1, n, 1]`` stack to ``[L, 1, j, 1]``); a lazy stack of
-  steps holds no padding, so its per-token rewards are all valid when they happen to have
-  equal lengths.
-
-``compute(rewards, group_ids, mask=None)`` is the vectorised path for a whole batch whose
-groups are known.
+trajectory is queued under its prompt; when ``grpo_size`` of one prompt are in, the group is
+returned with an advantage entry and its queue emptied (the seed's sliding window re-emitted
+duplicates). Batches read as ``[..., steps]``; every trajectory must end with ``done``; prompts
+are strings or chats; a whole ``add`` is checked before anything is queued; a plain module is
+wrapped for TorchRL's buffers (``tether.integrations.torchrl.as_replay_buffer_transform``).
+``compute(rewards, group_ids, mask=None)`` is the vectorised path. Rationale: docs/design.md.
 """
 
 from __future__ import annotations

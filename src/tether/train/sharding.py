@@ -1,35 +1,13 @@
 """The sharded learner: FSDP2 over ``torch.distributed`` ranks, one process per rank.
 
-``tether train --nproc N`` (``tether.train.launch``) runs N processes under
-``torch.distributed.run``; each builds the same models from the same seed, then
-``shard_models`` shards the policy, and a reference that is a separate copy, with FSDP2
-(``fully_shard``): each decoder layer is a unit, then the Hugging Face model around them
-(embeddings, final norm, output head) is the root unit. A LoRA policy's default reference is
-the policy with its adapter off, so it is sharded with it. Gradients are summed over ranks,
-not averaged: each rank's loss already divides by the whole batch's denominators
-(``Ranks.total``), so the sum is the gradient of one process holding the whole batch.
-
-Work split: rank r takes a contiguous block of the step's prompts with all G answers of each
-(``Ranks.share``), so group advantages need nothing from other ranks, and the rows of all
-ranks in rank order are the rows one process would have.
-
-Same answers as one process: every rank holds the same seeded sampling generator. At each
-decode step the live rows' probabilities of all ranks are gathered in row order, every rank
-draws the whole batch's tokens with the very ``torch.multinomial`` call one process makes on
-that batch, and keeps its own rows (``SharedDraw``). A rank whose rows have ended keeps taking
-part until every rank's rows have.
-
-No collective depends on data: ``Ranks.unsharded()`` gathers every unit's weights once for the
-step's no-grad passes (sampling and reference, ``tether.train.recipe_sharded``; the budget's KL),
-which then run without collectives however many decode steps or scoring passes a rank needs. The
-training passes run one forward per micro-batch on every rank (``share_run`` gives the loss's
-scorer no token budget and no shared-prefix split), so FSDP's all-gathers and reduce-scatters line up. Scoring calls the
-decoder and the head weight directly, not the root's forward, so a pre-hook on the decoder
-gathers the root unit first. Evaluation runs the whole held-out set on every rank: the same
-inputs and weights give every rank the same passes.
-
-With Ray rollout workers rank 0 alone talks to Ray (``Ranks.on_writer``) and hands each rank
-its block of the step's rows (``Ranks.scatter``; ``tether.train.recipe_ray``).
+``tether train --nproc N`` runs N processes; each builds the same models from the same seed and
+``shard_models`` shards the policy (and a separate reference) with FSDP2, one unit per decoder
+layer plus the root. Rank r takes a contiguous block of the step's prompts with all their
+answers (``Ranks.share``); losses divide by whole-batch denominators (``Ranks.total``) and
+gradients are summed, so the run equals one process. ``SharedDraw`` draws every rank's tokens
+with the very ``multinomial`` call one process makes. ``Ranks.unsharded()`` gathers the weights
+once for the no-grad passes (``tether.train.recipe_sharded``), so no collective depends on data.
+Rationale: docs/design.md.
 """
 
 from __future__ import annotations
