@@ -354,3 +354,26 @@ def test_ctrl_c_before_the_first_checkpoint_and_on_other_ranks(tmp_path, monkeyp
                 m.setenv(key, value)
             assert main(args) == 130
         assert capsys.readouterr().err == ""
+
+
+def test_a_ctrl_c_inside_a_finaliser_reaches_the_run_with_nothing_printed(capsys):
+    """Python drops an exception raised in ``__del__`` after printing it ("Exception ignored
+    in ...", seen once when the Ctrl-C test's SIGINT landed in regex's finaliser); within
+    ``interrupts_reach_the_run`` the KeyboardInterrupt comes back in the main thread instead."""
+    import sys
+
+    from tether.train.interrupt import interrupts_reach_the_run
+
+    hook = sys.unraisablehook
+
+    class Dies:
+        def __del__(self):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_reach_the_run():
+            Dies()
+            for _ in range(10_000_000):  # the interrupt arrives from another thread within a few ms
+                pass
+    assert capsys.readouterr().err == ""
+    assert sys.unraisablehook is hook  # outside, the hook that was there before

@@ -120,7 +120,7 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
-    from tether.train.interrupt import report_interruption
+    from tether.train.interrupt import interrupts_reach_the_run, report_interruption
     from tether.train.launch import launch, needs_launch, settle_nproc
     from tether.train.sharding import leave_ranks
 
@@ -135,7 +135,8 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
             return 0
         if needs_launch(cfg):  # the launching process trains nothing; a copied recipe's ranks run the copy
             return launch(args.argv, cfg.nproc, script=None if train_fn is None else _recipe_of(train_fn).__file__)
-        summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
+        with interrupts_reach_the_run():
+            summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
         leave_ranks()  # a sharded run: every rank ends its process group together
     except _USER_ERRORS as exc:
         return _fail("train", exc)

@@ -5,16 +5,21 @@ newest intact one is where a resume starts, as after a kill. Instead of Python's
 the command prints one line naming that checkpoint and the exact command that continues from
 it (or saying that no checkpoint exists yet), and exits with 130, the shell's status for a
 process ended by SIGINT. Of a sharded run one process speaks: the launcher ``--nproc``
-starts (its ranks stay silent), or rank 0 under a torchrun the user started.
+starts (its ranks stay silent), or rank 0 under a torchrun the user started. A Ctrl-C that lands
+inside a finaliser (``__del__``), where Python would print it and go on, is raised again in the
+main thread (``interrupts_reach_the_run``).
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
 import shlex
 import signal
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from tether.train.checkpoint import CheckpointError, newest_intact, read_state
@@ -72,3 +77,23 @@ def report_interruption(cfg: TrainConfig | None, exc: KeyboardInterrupt, *, copi
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return INTERRUPTED
+
+
+@contextlib.contextmanager
+def interrupts_reach_the_run() -> Iterator[None]:
+    """Within: a KeyboardInterrupt raised in a finaliser, which Python reports as unraisable and
+    drops, is raised again in the main thread instead, with nothing printed."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            # From another thread: raised here, inside the hook, Python would drop it again.
+            _thread.start_new_thread(_thread.interrupt_main, ())  # no wait for it to start
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
