@@ -42,37 +42,35 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def stage_seconds(run, recipe, step: int, sync, rollout=None) -> dict[str, float]:
-    """One ``train_step`` with each stage timed (the device synchronised around each);
-    ``rollout``: the step's answers (default: sampled)."""
-    seconds: dict[str, float] = {}
-    originals = {name: getattr(recipe, name) for name in STAGES}
+    """One ``train_step`` with each stage timed by ``e2e_grpo.PhaseClock`` (the device
+    synchronised around each, each a profiler range); ``rollout``: the step's answers (default: sampled)."""
+    import torch
+    from e2e_grpo import PhaseClock
 
-    def timed(name, fn):
+    clock, originals = PhaseClock(), {name: getattr(recipe, name) for name in STAGES}
+
+    def synced(name, fn):
         def inner(*a, **k):
-            import torch
-
             sync()
-            start = time.perf_counter()
             with torch.profiler.record_function(f"stage:{name}"):
                 out = fn(*a, **k)
             sync()
-            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
             return out
         return inner
 
     for name, fn in originals.items():
-        setattr(recipe, name, timed(name, fn))
+        setattr(recipe, name, clock.wrap(name, synced(name, fn)))
     try:
         sync()
         start = time.perf_counter()
         recipe.train_step(run, step, rollout or recipe.sample)
         sync()
-        seconds["step"] = time.perf_counter() - start
+        wall = time.perf_counter() - start
     finally:
         for name, fn in originals.items():
             setattr(recipe, name, fn)
-    seconds["rest (clip, optimizer, bookkeeping)"] = seconds["step"] - sum(
-        v for k, v in seconds.items() if k != "step")
+    seconds = {**clock.seconds, "step": wall}
+    seconds["rest (clip, optimizer, bookkeeping)"] = wall - sum(clock.seconds.values())
     return seconds
 
 
