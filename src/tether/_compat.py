@@ -6,9 +6,9 @@ Everything here leans on something a dependency does not promise to keep: the la
 model's config names (read, and switched for a packed pass), the quantizer bookkeeping that
 GGUF loading leaves on a model, the training-mode gate of transformers' gradient
 checkpointing, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its resolution of a bootstrap
-address. Keeping them together means a dependency upgrade is checked in one file, and
-``TESTED`` (mirrored by the upper bounds in ``pyproject.toml``) says which releases that file
-was checked against.
+address, the ragged dim of torch's jagged nested tensors. Keeping them together means a
+dependency upgrade is checked in one file, and ``TESTED`` (mirrored by the upper bounds in
+``pyproject.toml``) says which releases that file was checked against.
 ``version_problems()`` lists installed releases outside those ranges; importing tether warns
 about them once, and the test suite fails on them with the same message.
 """
@@ -96,6 +96,12 @@ def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]] | None:
 def select_cache_rows(cache: Any, index: Tensor) -> None:
     """Keep (and repeat or reorder) the cache's batch rows ``index`` in place."""
     cache.batch_select_indices(index)
+
+
+# ------------------------------------------------------------------ torch nested tensors
+def jagged_ragged_dim(x: Tensor) -> int:
+    """The dim along which a jagged nested tensor's rows differ; torch keeps it only privately."""
+    return int(getattr(x, "_ragged_idx", 1))
 
 
 # ------------------------------------------------------------------ transformers attention kernels

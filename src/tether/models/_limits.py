@@ -46,7 +46,7 @@ def model_limits(model: nn.Module) -> ModelLimits:
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
-    source = getattr(config, "_name_or_path", "") or ""
+    source = getattr(config, "name_or_path", "") or ""
     name = type(inner).__name__ + (f" ({source!r})" if source else "")
     return ModelLimits(name=name, vocab=min(sizes) if sizes else None, max_positions=limit)
 

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from tether._compat import jagged_ragged_dim
 from tether.ops.checks import whole_number
 from tether.ops.registry import lookup
 
@@ -203,8 +204,7 @@ def padded_to_nested(x: Tensor, mask: Tensor, *, ragged_dim: int = 1) -> Tensor:
 
 def ragged_dim_of(x: Tensor) -> int:
     """The dim along which a jagged nested tensor's rows differ (1 for strided ones)."""
-    # torch exposes no public accessor; every jagged nested tensor carries this index.
-    return int(getattr(x, "_ragged_idx", 1)) if x.layout == torch.jagged else 1
+    return jagged_ragged_dim(x) if x.layout == torch.jagged else 1
 
 
 def _jagged_parts(x: Tensor) -> tuple[Tensor, Tensor]:
