@@ -4,7 +4,7 @@ Each point is a full default ``tether train`` run (the embedded model, 16 steps,
 problems) with only the leash changed: constant beta in {0.05, 0.1, 0.2, 0.3},
 ``kl_controller=target`` (target 3) and ``kl_controller=budget`` at targets {1, 2, 3, 4}, at
 each ``--seeds`` seed. A run whose ``summary.json`` already exists is read, not re-run, so the
-grid can be filled in parts. Printed: held-out accuracy after training and the final exact
+grid can be filled in parts; a run without one resumes from its newest checkpoint. Printed: held-out accuracy after training and the final exact
 KL per answer (held-out, and the training mean of the last 3 steps); the plot
 (``--plot``) draws accuracy against the held-out exact KL, one marker per leash.
 
@@ -37,7 +37,9 @@ def run_point(point: dict, seed: int, args: argparse.Namespace) -> dict:
     out = Path(args.out) / name(point, seed)
     if not (out / "summary.json").is_file():
         cfg = TrainConfig(seed=seed, threads=args.threads, out=str(out), overwrite=True).override(point)
-        train(cfg, progress=False)
+        # A run cut short (the grid spans sessions) continues from its newest checkpoint, bit-exact.
+        resume = any((out / "checkpoints").glob("step_*"))
+        train(TrainConfig.from_yaml(out / "config.yaml") if resume else cfg, resume=resume, progress=False)
     return json.loads((out / "summary.json").read_text())
 
 

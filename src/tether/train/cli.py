@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Callable
 
 from tether.train.cli_parser import Parser, add_trl_flags, trl_flag_values
-from tether.train.config import TrainConfig
+from tether.train.config import LIST_FIELDS, TrainConfig
 from tether.train.tasks import TASKS, TaskError
 
 # The recipes ``tether cp`` copies: name -> module of tether.train.
@@ -71,7 +71,8 @@ def _train_parser(sub) -> None:
             if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true
                 p.add_argument(spelling, dest=f.name, default=None, action="store_true", help=shown)
             else:
-                action = p.add_argument(spelling, dest=f.name, default=None, help=shown)
+                several = {"action": "append"} if f.name in LIST_FIELDS else {}
+                action = p.add_argument(spelling, dest=f.name, default=None, help=shown, **several)
                 action.field_type = type(f.default).__name__.upper()  # the metavar, unless a choice field's names
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Config overrides.")
     add_trl_flags(p, set(TrainConfig.field_names()))
@@ -91,6 +92,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     from tether.train.run_dir import check_resume_overrides, read_run_config
 
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    flags.update({name: ",".join(flags[name]) for name in LIST_FIELDS if name in flags})
     changes = {**trl_flag_values(args), **flags, **_parse_overrides(args.overrides)}
     if args.resume:
         if args.config:

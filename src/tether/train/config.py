@@ -80,7 +80,7 @@ class TrainConfig:
     warmup_steps: int = _f(0, "Steps of linear warm-up: step s < K uses (s + 1) / (K + 1) of learning_rate.")
     eval_every: int = _f(0, "Score the held-out set every K steps (logged as eval_accuracy) and keep the best checkpoint in best/; 0 disables.")
     # --- tracking
-    report_to: str = _f("none", "Tracker besides metrics.jsonl: none or tensorboard (event files in tensorboard/).")
+    report_to: str = _f("none", "Trackers besides metrics.jsonl, comma-separated or the flag repeated: tensorboard (RUN/tensorboard/), wandb (RUN/wandb/; WANDB_MODE=offline needs no network), mlflow (MLFLOW_TRACKING_URI or RUN/mlflow.db); none for none.")
     log_completions_every: int = _f(0, "Every K steps write a few prompt/completion/reward rows to completions.jsonl (and TensorBoard text); 0 disables.")
     # --- KL leash
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
@@ -145,6 +145,8 @@ class TrainConfig:
             if key not in types:
                 problems.append(_unknown_key(key, types))
                 continue
+            if key in LIST_FIELDS and isinstance(raw, (list, tuple)):  # YAML's list, TRL's report_to=[...]
+                raw = ",".join(map(str, raw))
             try:
                 updates[key] = _convert(raw, types[key])
             except ValueError:
@@ -173,10 +175,12 @@ class TrainConfig:
                 check = whole_number if f.type == "int" else real_number
                 p.extend(problems(check, f.name, getattr(self, f.name), **ranges.get(f.name, {})))
         for name, table in config_choices().items():
-            try:
-                lookup(table, getattr(self, name), name)
-            except ValueError as exc:
-                p.append(str(exc))
+            value = getattr(self, name)
+            for one in value.split(",") if name in LIST_FIELDS and value.strip() else [value]:
+                try:
+                    lookup(table, one.strip(), name)
+                except ValueError as exc:
+                    p.append(str(exc))
         need(self.kl_control_signal != "exact" or self.kl_signal == "exact",
              "kl_control_signal: 'exact' needs kl_signal='exact' (the exact KL is computed only then); "
              f"got kl_signal={self.kl_signal!r}: set both to 'exact' or the controller to 'sampled'")
@@ -226,6 +230,9 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
+
+# Fields that hold several of their choices, comma-separated (the CLI flag may repeat).
+LIST_FIELDS = ("report_to",)
 
 # importance_correction's extra name next to the registry's: off.
 _NO_CORRECTION: dict[str, None] = {"none": None}

@@ -8,6 +8,7 @@ sharded learner, rank 0 alone writes the run directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -91,7 +92,8 @@ def open_run(run: Run, *, resume: bool) -> Opened:
         run.ranks.on_writer(lambda: start_new_run(cfg))
         before, start = evaluate_run(run, None, with_kl=False), 0
     if run.ranks.writer:
-        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None)
+        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None,
+                                   config=dataclasses.asdict(cfg))
     extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
              "data": getattr(run.task, "fingerprint", None)}
     return Opened(start, before, extra, wall)
