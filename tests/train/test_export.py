@@ -152,3 +152,35 @@ def test_export_of_the_embedded_gguf_model_is_a_plain_hf_directory(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
     assert "<|im_start|>" in tokenizer.chat_template
     torch.testing.assert_close(_log_probs(model, tokenizer), expected, rtol=0, atol=1e-5)
+
+
+def test_push_to_hub_without_network_leaves_the_card_and_says_how_to_push(trained, tmp_path):
+    """``--push-to-hub`` with a token but a Hub endpoint that refuses connections (a closed local
+    port): OUT holds what would be uploaded (the model, a model card whose front matter names the
+    library and base, summary.json's figures, the leash settings, the config, the plots) and the
+    command fails with one line that names the repo and the ``hf upload`` command."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    out = tmp_path / "card"
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_TOKEN="hf_not_a_real_token", HF_HOME=str(tmp_path / "hf"),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "tether.train", "export", str(trained), str(out), "--push-to-hub",
+                           "me/tiny-grpo"], env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("tether export:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert "me/tiny-grpo" in errors[0] and f"hf upload me/tiny-grpo {out} ." in errors[0]
+    card = (out / "README.md").read_text()
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    kind = json.loads((out / "tether_export.json").read_text())["kind"]
+    assert meta["library_name"] == ("peft" if kind == "adapter" else "transformers") and "grpo" in meta["tags"]
+    summary = json.loads((trained / "summary.json").read_text())
+    assert f"| `accuracy_after` | {summary['accuracy_after']:.4g} |" in body
+    assert f"| `kl_controller` | {read_run_config(trained).kl_controller} |" in body
+    assert read_run_config(trained).to_yaml().strip() in body
+    assert {p.name for p in (out / "figures").iterdir()} == {"overview.png", "kl_per_seq.png"}
+    assert "![overview.png](figures/overview.png)" in body

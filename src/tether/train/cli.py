@@ -261,10 +261,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tether.train.export import export_run
 
     try:
-        result = export_run(args.run_dir, args.out, merge=args.merge, best=args.best)
+        result = export_run(args.run_dir, args.out, merge=args.merge, best=args.best, push_to_hub=args.push_to_hub)
     except _USER_ERRORS as exc:
         return _fail("export", exc)
     print(f"tether export: wrote the {result.kind} model of step {result.step} ({result.checkpoint}) to {result.out}")
+    if result.pushed:
+        print(f"tether export: pushed {result.out} to {result.pushed}")
     return 0
 
 
@@ -282,9 +284,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None, *, train_fn: Callable[..., dict] | None = None) -> int:
     """The ``tether`` command; ``train_fn`` replaces the recipe of ``train`` (a copied recipe's ``main``)."""
-    # Every from_pretrained call already passes local_files_only; this also covers code that
-    # the user's task or reward file runs, and libraries imported after this point.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = Parser(prog="tether", description="RL post-training of LLMs on a KL leash.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
@@ -302,6 +301,8 @@ def main(argv: list[str] | None = None, *, train_fn: Callable[..., dict] | None 
     x.add_argument("--merge", action="store_true", help="LoRA runs: merge the adapter into the base and write "
                    "the whole model; without it the adapter alone is written (a full fine-tune is always whole).")
     x.add_argument("--best", action="store_true", help="Export the best checkpoint (best/, kept by eval_every).")
+    x.add_argument("--push-to-hub", metavar="REPO", default="", help="Also write a model card (README.md, figures/) "
+                   "and upload OUT to the Hugging Face Hub model repo REPO (needs a token and network).")
     pl = sub.add_parser("plot", help="Write PNG plots of a run's metrics.jsonl.")
     pl.add_argument("run_dir")
     c = sub.add_parser("cp", help="Copy a recipe's source to DEST to change it; run the copy with python DEST [flags].")
@@ -312,6 +313,10 @@ def main(argv: list[str] | None = None, *, train_fn: Callable[..., dict] | None 
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]  # the words after the subcommand
     if unknown:  # reported by the subcommand's parser, which knows its flags for a suggestion
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if not getattr(args, "push_to_hub", ""):  # the one command that asks for the network
+        # Every from_pretrained call already passes local_files_only; this also covers code that
+        # the user's task or reward file runs, and libraries imported after this point.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     handlers = {"train": lambda a: cmd_train(a, train_fn), "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot,
                 "cp": cmd_cp}
     shown = warnings.formatwarning

@@ -17,6 +17,9 @@ and always the tokenizer files with the chat template, and ``tether_export.json`
 directory name, the checkpoint relative to the run, step, kind, base). Files get the mode a
 new file gets under the umask (safetensors writes 0600). The directory is written beside
 ``OUT`` and renamed into place, so a failed export leaves no partial ``OUT``.
+``--push-to-hub REPO`` adds a model card (``README.md``: the run's config, ``summary.json``'s
+figures, the leash's settings and plots in ``figures/``) and uploads ``OUT`` with
+``huggingface_hub``; a failed upload leaves ``OUT`` complete and says how to push it later.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class ExportResult:
     kind: str
     step: int
     checkpoint: Path
+    pushed: str = ""  # the repo's URL after --push-to-hub
 
 
 def _check_out(out: Path) -> None:
@@ -70,8 +74,10 @@ def _shareable_modes(directory: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, best: bool = False) -> ExportResult:
-    """Write the policy of ``run_dir``'s newest intact (or best) checkpoint to ``out``."""
+def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, best: bool = False,
+               push_to_hub: str = "") -> ExportResult:
+    """Write the policy of ``run_dir``'s newest intact (or best) checkpoint to ``out``; with
+    ``push_to_hub``, a model card too, and upload ``out`` to that Hub repo."""
     run_dir, out = Path(run_dir), Path(out)
     _check_out(out)
     cfg = read_run_config(run_dir)
@@ -90,10 +96,63 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, bes
         record = {"run": run_dir.resolve().name, "checkpoint": os.path.relpath(ckpt.path, run_dir),
                   "step": ckpt.step, "kind": kind, "base": ckpt.state["base"]}
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1))
+        if push_to_hub:
+            write_model_card(tmp, run_dir, cfg, record, push_to_hub)
         _shareable_modes(tmp)
         if out.is_dir():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(out=out, kind=kind, step=ckpt.step, checkpoint=ckpt.path)
+    result = ExportResult(out=out, kind=kind, step=ckpt.step, checkpoint=ckpt.path)
+    if push_to_hub:
+        result.pushed = push_folder(out, push_to_hub, f"tether export of {record['run']}, step {ckpt.step}")
+    return result
+
+
+def write_model_card(folder: Path, run_dir: Path, cfg: Any, record: dict[str, Any], repo: str) -> None:
+    """``folder/README.md``: Hub metadata, the run's figures and leash, its config; plots in ``figures/``."""
+    import yaml
+
+    from tether.train.metrics import plot_metrics
+
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    figures = folder / "figures"
+    figures.mkdir()
+    shown = []
+    if (run_dir / "metrics.jsonl").is_file():
+        for path in plot_metrics(run_dir):
+            if path.stem in ("overview", "kl_per_seq"):
+                shutil.copy(path, figures / path.name)
+                shown.append(path.name)
+    base = record["base"] if isinstance(record["base"], str) else cfg.model
+    meta = {"library_name": "peft" if record["kind"] == "adapter" else "transformers",
+            "tags": ["tether", "grpo", "reinforcement-learning"], "base_model": base}
+    leash = {key: getattr(cfg, key) for key in ("kl_controller", "kl_target", "kl_coef", "kl_mode", "kl_bound")}
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {repo.split('/')[-1]}", "",
+             f"A {record['kind']} policy trained by tether's GRPO on a KL leash to its "
+             f"reference: run `{record['run']}`, step {record['step']}, base `{base}`, task `{cfg.task}`.", "",
+             "## Results (`summary.json`)", "", "| figure | value |", "|---|---|"]
+    lines += [f"| `{key}` | {value:.4g} |" if isinstance(value, float) else f"| `{key}` | {value} |"
+              for key, value in summary.items()]
+    lines += ["", "## The leash", "", "| setting | value |", "|---|---|"]
+    lines += [f"| `{key}` | {value} |" for key, value in leash.items()]
+    lines += ["", *[f"![{name}](figures/{name})" for name in shown], "", "## Config", "", "```yaml",
+              cfg.to_yaml().strip(), "```", ""]
+    (folder / "README.md").write_text("\n".join(lines))
+
+
+def push_folder(folder: Path, repo: str, message: str) -> str:
+    """Upload ``folder`` to the Hub model repo ``repo`` (created if absent); its URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, repo_type="model", exist_ok=True)
+        return str(api.upload_folder(repo_id=repo, folder_path=str(folder), commit_message=message).repo_url)
+    except Exception as exc:  # no token, no network, no permission: huggingface_hub and httpx types
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OSError(f"push-to-hub: {folder} is written, but uploading it to {repo} failed ({type(exc).__name__}: "
+                      f"{reason}); with a token (`hf auth login`) and network, push it later with "
+                      f"`hf upload {repo} {folder} .`") from exc
