@@ -96,6 +96,37 @@ class StepRecord:
         return replace(self, **cut, responses=self.responses[begin:end], ref_hidden=hidden,
                        episode={k: v[begin:end] for k, v in self.episode.items()})
 
+    def take(self, index: Tensor) -> StepRecord:
+        """Rows ``index`` (``long [N]``, any order) with every field taken alike."""
+        if self.ref_hidden is not None:
+            raise ValueError("StepRecord.take: the reference's hidden states are kept per answer token; "
+                             "take rows before the reference stage.")
+        cut = {name: None if getattr(self, name) is None else getattr(self, name)[index] for name in _ROW_FIELDS}
+        picked = index.tolist()
+        return replace(self, **cut, responses=[self.responses[i] for i in picked] if self.responses else [],
+                       episode={k: v[index] for k, v in self.episode.items()})
+
+    @classmethod
+    def cat(cls, parts: list[StepRecord]) -> StepRecord:
+        """Several records' rows stacked along ``B`` on the widest grid: a narrower one gets columns
+        on the right that no mask covers (ids, log-probs 0). Fields must be present in all or none."""
+        if not parts or any(part.ref_hidden is not None for part in parts):
+            raise ValueError("StepRecord.cat: expected at least one record and none with reference hidden "
+                             "states (join records before the reference stage).")
+        width = max(part.tokens.shape[1] for part in parts)
+        joined: dict[str, Any] = {}
+        for name in _ROW_FIELDS:
+            values = [getattr(part, name) for part in parts]
+            if any((v is None) != (values[0] is None) for v in values):
+                raise ValueError(f"StepRecord.cat: {name!r} is set in some records and not in others.")
+            joined[name] = None if values[0] is None else torch.cat(
+                [v if v.dim() == 1 else torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])
+        keys = set(parts[0].episode)
+        if any(set(part.episode) != keys for part in parts):
+            raise ValueError("StepRecord.cat: the records' episode counters differ in their keys.")
+        return cls(**joined, responses=[r for part in parts for r in part.responses],
+                   episode={k: torch.cat([part.episode[k] for part in parts]) for k in keys})
+
     def token_log_ratio(self) -> Tensor:
         """``[B, T]`` ``log pi_sampler - log pi_ref`` at the answer tokens (0 elsewhere): the k1 terms."""
         if self.ref_log_probs is None:

@@ -79,6 +79,8 @@ class TrainConfig:
     lr_schedule: str = _f("constant", "Learning-rate schedule over the steps after warm-up: constant, linear (to 0) or cosine (to 0).")
     warmup_steps: int = _f(0, "Steps of linear warm-up: step s < K uses (s + 1) / (K + 1) of learning_rate.")
     eval_every: int = _f(0, "Score the held-out set every K steps (logged as eval_accuracy) and keep the best checkpoint in best/; 0 disables.")
+    dynamic_sampling: bool = _f(False, "DAPO's dynamic sampling: draw the step's prompts again until prompts_per_step groups have rewards that differ (logged: groups_drawn, groups_kept); equal-reward groups fill up what max_resample draws did not find.")
+    max_resample: int = _f(4, "Extra draws of prompts_per_step prompts a step may make under dynamic_sampling.")
     # --- tracking
     report_to: str = _f("none", "Trackers besides metrics.jsonl, comma-separated or the flag repeated: tensorboard (RUN/tensorboard/), wandb (RUN/wandb/; WANDB_MODE=offline needs no network), mlflow (MLFLOW_TRACKING_URI or RUN/mlflow.db); none for none.")
     log_completions_every: int = _f(0, "Every K steps write a few prompt/completion/reward rows to completions.jsonl (and TensorBoard text); 0 disables.")
@@ -205,7 +207,7 @@ _RANGES: dict[str, dict[str, Any]] = {
     "group_size": {"low": 2, "fix": "A group of one has no baseline."},
     **{name: {"low": 0} for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
-                                     "warmup_steps", "eval_every", "log_completions_every", "max_turns",
+                                     "warmup_steps", "eval_every", "log_completions_every", "max_turns", "max_resample",
                                      "max_episode_tokens")},
     **{name: {"low": 0, "low_open": True} for name in ("learning_rate", "temperature", "kl_target", "kl_bound",
                                                        "importance_cap")},

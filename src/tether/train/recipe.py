@@ -30,7 +30,7 @@ from tether.rollout import episode_metrics
 from tether.train.config import TrainConfig
 from tether.train.data import prompt_batch
 from tether.train.kl_signal import has_exact_kl, hold_kl_budget, measure_kl
-from tether.train.rewards import RewardError, Samples, Scores, with_checkpoints
+from tether.train.rewards import RewardError, Samples, Scores, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run
 from tether.train.run_state import close_run, close_step, open_run
 from tether.train.sharding import gather_scores, gather_terms
@@ -180,9 +180,12 @@ def accumulate_gradients(run: Run, record: StepRecord) -> GRPOTokenTerms:
 def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]:
     """One step, every stage in order; returns its metrics record."""
     cfg, ranks, start = run.cfg, run.ranks, time.perf_counter()
-    problems = step_problems(run, step)
-    record = rollout(run, problems, step)
-    scores = score_rewards(run, record, problems, step)
+
+    def draw(problems: list[Problem]) -> tuple[StepRecord, Scores]:  # rollout, then reward
+        record = rollout(run, problems, step)
+        return record, score_rewards(run, record, problems, step)
+
+    problems, record, scores, drawn = keep_informative(run, step, draw, step_problems(run, step))
     add_reference(run, record)
     sampled_kl = ranks.rows(record.sequence_log_ratio())  # every rank's answers
     if cfg.kl_control_signal == "sampled" and run.line is None:  # beta for this update, from this batch's KL
@@ -205,7 +208,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         "step": step + 1, "reward_mean": float(scores.total.mean()), "reward_std": float(scores.total.std()),
         **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
-        **kl.metrics(cfg.kl_bound), "kl_coef": kl_coef, **move,
+        **kl.metrics(cfg.kl_bound), "kl_coef": kl_coef, **move, **drawn,
         "clip_fraction": float(out.clip_fraction), "ess": float(out.ESS), "entropy": float(out.entropy),
         "response_length": float(update.terms.mask.sum(-1).float().mean()), "grad_norm": update.grad_norm, "lr": lr,
         "loss": float(out.total_loss()), "step_time": elapsed,

@@ -9,6 +9,9 @@ it; a sample no function applies to is an error (TRL warns and gives 0), and eac
 mean is logged under ``reward/<name>``. A function that raises or returns a bad value raises
 ``RewardError`` naming the function, its file and the sample; ``async def`` functions of a
 step run concurrently in one event loop. The full convention: ``docs/rewards.md``.
+``dynamic_sampling`` (DAPO's) draws the step's share of prompts again until its groups' rewards
+differ (``keep_informative``); unlike DAPO, which trains on fewer groups, a step that runs out of
+``max_resample`` draws fills up with equal-reward groups, so every step and rank keeps its shape.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from tether.models.score_plan import row_slices
 from tether.train.tasks import Problem, Task, load_user_module
+
+if TYPE_CHECKING:
+    from tether.models.step_record import StepRecord
 
 _RESERVED = ("prompts", "completions", "completion_ids")
 _RM_BATCH = 16
@@ -61,6 +67,16 @@ class Scores:
     total: torch.Tensor
     correct: torch.Tensor | None
     per_function: dict[str, torch.Tensor]
+
+    @classmethod
+    def cat(cls, parts: list["Scores"]) -> "Scores":
+        correct = None if parts[0].correct is None else torch.cat([p.correct for p in parts])
+        return cls(torch.cat([p.total for p in parts]), correct,
+                   {k: torch.cat([p.per_function[k] for p in parts]) for k in parts[0].per_function})
+
+    def take(self, index: torch.Tensor) -> "Scores":
+        return Scores(self.total[index], None if self.correct is None else self.correct[index],
+                      {k: v[index] for k, v in self.per_function.items()})
 
 
 @dataclass(frozen=True)
@@ -335,3 +351,54 @@ def samples_from_batch(batch: Any, problems: list[Problem]) -> Samples:
     tokens, mask = batch["tokens", "full"], batch["masks", "all_assistant_mask"]
     return Samples(problems, batch.get(("text", "response")).tolist(),
                    [row[m].tolist() for row, m in zip(tokens, mask.bool())])
+
+
+# ------------------------------------------------------------------ dynamic sampling
+Draw = Callable[[list[Problem]], "tuple[StepRecord, Scores]"]
+
+
+def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``bool [G]``: the groups (``group_size`` consecutive answers) whose rewards are not all equal;
+    a group of equal rewards has advantage 0 and gives the policy no gradient."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped != grouped[:, :1]).any(-1)
+
+
+def resampled_problems(run: Any, step: int, draw: int) -> list[Problem]:
+    """This rank's share of the step's ``draw``-th extra prompts, each ``group_size`` times. They are
+    read from the problem stream at negative indices, which no step's own prompts use."""
+    cfg = run.cfg
+    first = -1 - ((step * cfg.max_resample + draw - 1) * cfg.prompts_per_step)
+    problems = [run.task.train_problem(cfg.seed, first - i, run.excluded) for i in run.ranks.share(cfg.prompts_per_step)]
+    return [p for p in problems for _ in range(cfg.group_size)]
+
+
+def keep_informative(run: Any, step: int, draw: Draw, problems: list[Problem]
+                     ) -> tuple[list[Problem], "StepRecord", Scores, dict[str, float]]:
+    """Sample and score ``problems``; with ``dynamic_sampling``, draw again (every rank as long as any
+    rank lacks groups, at most ``max_resample`` times) and keep as many groups as ``problems`` held:
+    those whose rewards differ first, in draw order, then equal-reward ones. Metrics: groups drawn
+    and groups with differing rewards kept, summed over ranks."""
+    from tether.models.step_record import StepRecord, group_ids
+
+    record, scores = draw(problems)
+    cfg, size = run.cfg, run.cfg.group_size
+    if not cfg.dynamic_sampling:
+        return problems, record, scores, {}
+    pool, parts = list(problems), [(record, scores)]
+    wanted, found = len(problems) // size, int(informative(scores.total, size).sum())
+    while len(parts) <= cfg.max_resample and int(run.ranks.total(torch.tensor(max(wanted - found, 0)))) > 0:
+        extra = resampled_problems(run, step, len(parts))
+        parts.append(draw(extra))
+        pool += extra
+        found += int(informative(parts[-1][1].total, size).sum())
+    scores = Scores.cat([s for _, s in parts])
+    useful = informative(scores.total, size)
+    groups = torch.cat([useful.nonzero()[:, 0], (~useful).nonzero()[:, 0]])[:wanted]
+    rows = (groups[:, None] * size + torch.arange(size)).flatten()
+    record = StepRecord.cat([r for r, _ in parts]).take(rows)
+    record.group_ids = group_ids(len(rows), size)
+    kept = int(useful[groups].sum())
+    totals = run.ranks.total(torch.tensor([float(len(pool) // size), float(kept)]))
+    return [pool[i] for i in rows.tolist()], record, scores.take(rows), {
+        "groups_drawn": float(totals[0]), "groups_kept": float(totals[1])}
