@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tether.ops.slices import row_slices  # noqa: F401 (re-exported: its callers cut rows here)
+
 
 def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Start index and length of the single run of valid tokens of each row.
@@ -104,12 +106,6 @@ def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int
         flat_index = (rows[:, None] * width + src[:, 1:])[keep]
         out.append(MicroBatch(ids.to(device), valid.to(device), flat_index.to(device), keep.to(device)))
     return out
-
-
-def row_slices(size: int, rows_per_slice: int) -> list[tuple[int, int]]:
-    """``(begin, end)`` of consecutive slices of ``rows_per_slice`` rows of ``range(size)``
-    (the last may be shorter): the one way a batch of rows is cut into fixed-size parts."""
-    return [(begin, min(begin + rows_per_slice, size)) for begin in range(0, size, rows_per_slice)]
 
 
 def first_of_each(group: Tensor) -> Tensor:
