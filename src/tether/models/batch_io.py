@@ -19,7 +19,8 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from torch import Tensor
 
 from tether.models.chat import validate_chats
-from tether.ops import mask_from_lengths, nested_to_padded, padded_to_nested
+from tether.ops import nested_to_padded, padded_to_nested
+from tether.ops.masks import row_runs, rows_to_padded
 from tether.ops._vocab_checks import check_mask
 
 Chat = list[dict[str, str]]
@@ -133,20 +134,13 @@ def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Ten
 
     Crops the width to the longest row. ``values`` is ``[B, T, ...]``, ``mask`` ``bool [B, T]``.
     """
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
-    lengths = mask.sum(-1)
-    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
+    start, lengths = row_runs(mask)
     width = int(lengths.max()) if lengths.numel() else 0
-    cols = torch.arange(width, device=mask.device)
-    new_mask = mask_from_lengths(lengths, width, padding_side=padding_side)
-    offset = (width - lengths)[:, None] if padding_side == "left" else 0
-    src = (start[:, None] + cols - offset).clamp(0, max(mask.shape[-1] - 1, 0))
-    index = src.view(*src.shape, *([1] * (values.ndim - 2))).expand(-1, -1, *values.shape[2:])
-    gathered = values.gather(1, index) if width else values[:, :0]
-    fill = torch.zeros((), dtype=values.dtype, device=values.device)
-    shaped_mask = new_mask.view(*new_mask.shape, *([1] * (values.ndim - 2)))
-    return torch.where(shaped_mask, gathered, fill), new_mask
+    rows, span = mask.shape
+    first = torch.arange(rows, device=mask.device) * span + start  # each run's place in the flattened values
+    padded = rows_to_padded(values.reshape(rows * span, *values.shape[2:]), first, lengths, width,
+                            padding_side=padding_side)
+    return padded.values, padded.mask
 
 
 def write_ragged(

@@ -20,6 +20,7 @@ from torch import Tensor
 from tether.models.step_record import StepRecord
 from tether.models.batch_io import fetch, has_key, missing_key
 from tether.ops import nested_to_padded
+from tether.ops.masks import row_runs
 from tether.ops._vocab_checks import check_mask, check_same_device, check_token_ids
 
 
@@ -187,7 +188,7 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
     loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested)
     check_same_device(repr(keys.loss_mask), loss_mask, repr(keys.action), attention)
     mask = check_mask(repr(keys.loss_mask), loss_mask) & attention
-    first = torch.where(attention.any(-1), attention.int().argmax(-1), torch.zeros_like(attention[:, 0], dtype=torch.long))
+    first, _ = row_runs(attention)
     if bool(mask.gather(1, first[:, None]).any()):
         raise ValueError(
             f"{keys.loss_mask!r}: the mask covers the first token of a row, which has no prediction "
