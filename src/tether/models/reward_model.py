@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tether.ops.masks import pad_rows
+
 
 @dataclass
 class RewardOutput:
@@ -129,12 +131,7 @@ class SequenceRewardModel(nn.Module):
                 "no pad id known (tokenizer.pad_token_id and model.config.pad_token_id are None); "
                 "pass pad_token_id= to SequenceRewardModel"
             )
-        rows = [self.tokenizer(t)["input_ids"] for t in texts]
-        width = max(len(r) for r in rows)
+        rows = pad_rows([torch.tensor(self.tokenizer(t)["input_ids"], dtype=torch.long) for t in texts],
+                        padding_value=self.pad_token_id)
         device = _score_head(self.model).weight.device
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
-        for i, row in enumerate(rows):
-            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, : len(row)] = True
-        return self.forward(input_ids, attention_mask)
+        return self.forward(rows.values.to(device), rows.mask.to(device))

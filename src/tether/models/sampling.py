@@ -26,6 +26,7 @@ from tether._compat import cache_layers, new_cache, select_cache_rows
 from tether.models._limits import check_fits_model
 from tether.models.score_plan import distinct_rows
 from tether.ops.checks import real_number, whole_number
+from tether.ops.masks import pad_rows
 from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
 
 
@@ -194,10 +195,10 @@ def _prefill_after(model: nn.Module, new_ids: Tensor, mask: Tensor,
     width = int(lengths.max())
     layers = []
     for layer, (k0, v0) in enumerate(known.layers):
-        def padded(which: int, like: Tensor) -> Tensor:
-            rows = [like.new_zeros(like.shape[0], width, like.shape[2]) if p is None else
-                    nn.functional.pad(p.layers[layer][which], (0, 0, width - p.length, 0)) for p in past]
-            return torch.stack(rows)
+        def padded(which: int, like: Tensor) -> Tensor:  # rows [H, n, D] -> [B, H, width, D], left-padded
+            rows = [like.new_zeros(0, like.shape[0], like.shape[2]) if p is None else
+                    p.layers[layer][which].transpose(0, 1) for p in past]
+            return pad_rows(rows, padding_side="left").values.transpose(1, 2).contiguous()
         layers.append((padded(0, k0), padded(1, v0)))
     held = torch.arange(width, device=mask.device) >= width - lengths[:, None]
     full = torch.cat([held.long(), mask], dim=-1)
