@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tether.ops import nested_to_padded
-from tether.ops.masks import pad_rows, padded_index, row_runs, rows_to_padded
+from tether.ops.masks import pad_rows, padded_index, position_ids, row_runs, rows_to_padded
 
 SIDES = ["right", "left"]
 
@@ -92,3 +92,8 @@ def test_nested_to_padded_equals_a_loop(side):
                            padding_value=1.5, total_length=8)
     values, mask = _naive_padded(rows, 8, side, 1.5)
     assert torch.equal(got.values, values) and torch.equal(got.mask, mask)
+
+
+def test_position_ids_count_each_rows_valid_entries():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 1, 1, 1], [0, 0, 0, 0, 0]]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tether.models.special_ids import missing_pad_id, resolve_pad_id
-from tether.ops.masks import pad_rows
+from tether.ops.masks import pad_rows, position_ids
 
 
 @dataclass
@@ -106,9 +106,9 @@ class SequenceRewardModel(nn.Module):
         mask = _check_batch(input_ids, attention_mask)
         # Positions count real tokens only, so a left-padded row sees the same positions as
         # the right-padded one (HF's default positions would start at the padding).
-        position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+        positions = position_ids(mask)
         hidden = _backbone(self.model)(
-            input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids
+            input_ids=input_ids, attention_mask=mask.long(), position_ids=positions
         ).last_hidden_state
         token_scores = _score_head(self.model)(hidden).squeeze(-1).float().masked_fill(~mask, 0.0)
         positions = torch.arange(mask.shape[-1], device=mask.device)

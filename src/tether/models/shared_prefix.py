@@ -31,6 +31,7 @@ from tether._compat import cache_layers, new_cache
 from tether.models.score_plan import distinct_rows, plan_equal_length_batches, plan_micro_batches
 from tether.models.score_sink import TokenSink
 from tether.ops import TokenStats, token_stats_from_hidden
+from tether.ops.masks import position_ids
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,6 @@ def plan_prefix_split(tokens: Tensor, attention_mask: Tensor, *, min_saving: flo
         return None
     cost, cut, reps, group = best
     return PrefixSplit(width=cut, representatives=reps, inverse=group, tokens_saved=total - cost)
-
-
-def _positions(mask: Tensor) -> Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _run_prefixes(
@@ -183,7 +180,7 @@ def _score_suffixes(decoder: nn.Module, tokens: Tensor, mask: Tensor, split: Pre
     """Each row's suffix on top of its prefix's cache; token ``P`` is predicted from the prefix."""
     width, cut = tokens.shape[1], split.width
     suffix_len = mask[:, cut:].sum(-1)
-    positions = _positions(mask)
+    positions = position_ids(mask)
     with_suffix = (suffix_len > 0).nonzero().flatten()  # rows ending at column P-1 have none
     for group in plan_micro_batches(suffix_len[with_suffix], token_budget):
         rows = with_suffix[group]

@@ -45,7 +45,7 @@ from tether.models.score_sink import HeadHidden, ScoredTokens
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import PADDING_SIDES, TokenStats
-from tether.ops.masks import pad_rows
+from tether.ops.masks import pad_rows, position_ids
 from tether.ops.registry import lookup
 from tether.ops._vocab_checks import check_token_ids
 
@@ -326,7 +326,7 @@ class TransformersWrapper(TensorDictModuleBase):
         out_device = td.device if td.device is not None else enc.ids.device
         assistant = enc.assistant_mask
         if assistant is None and enc.prompt_lengths is not None:
-            position = enc.mask.long().cumsum(-1) - 1
+            position = position_ids(enc.mask)
             assistant = enc.mask & (position >= enc.prompt_lengths.to(enc.mask.device)[:, None])
         self._write_common(td, enc.ids, enc.mask, assistant)
         if not self.return_log_probs:

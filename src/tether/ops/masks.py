@@ -108,6 +108,12 @@ def row_runs(mask: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths)), lengths
 
 
+def position_ids(mask: Tensor) -> Tensor:
+    """``long [B, T]``: each valid entry's index among its row's valid entries (0 at padding
+    before them): the position ids of a padded batch whose rows start at its first token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def padded_index(starts: Tensor, lengths: Tensor, T: int, *, padding_side: str = "right",
                  fill_index: int = -1) -> tuple[Tensor, Tensor]:
     """Where each position of a ``[B, T]`` grid padded on ``padding_side`` takes its entry from.
