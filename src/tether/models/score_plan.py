@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from tether.ops.masks import padded_index, row_runs
-from tether.ops.slices import row_slices  # noqa: F401 (re-exported: its callers cut rows here)
+from tether.ops.slices import row_slices  # also imported from here by the callers that cut rows
 
 
 def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,7 +75,7 @@ def plan_equal_length_batches(lengths: Tensor, token_budget: int) -> list[Tensor
     for length in sorted(set(lengths.tolist())):
         same = (lengths == length).nonzero().flatten()
         size = max(1, token_budget // max(length, 1))
-        groups.extend(same[begin : begin + size] for begin in range(0, same.numel(), size))
+        groups.extend(same[begin:end] for begin, end in row_slices(same.numel(), size))
     return groups
 
 
