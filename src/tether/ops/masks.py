@@ -21,7 +21,6 @@ rows, packed rows, another grid's runs) reads its entries through ``padded_index
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Callable, Sequence
 
 import torch
@@ -187,16 +186,13 @@ def response_mask(
 
 def _eos_tensor(eos_ids: int | Sequence[int] | Tensor, device: torch.device) -> Tensor:
     if isinstance(eos_ids, Tensor):
+        if eos_ids.is_floating_point() or eos_ids.dtype == torch.bool:
+            raise TypeError(f"eos_ids: expected an integer tensor, an int or a sequence of ints, got {eos_ids!r}.")
         ids = eos_ids.reshape(-1)
-        bad = ids.is_floating_point() or ids.dtype == torch.bool
-    elif isinstance(eos_ids, Integral) and not isinstance(eos_ids, bool):
-        ids, bad = torch.tensor([int(eos_ids)]), False
-    elif isinstance(eos_ids, Sequence) and all(isinstance(i, Integral) and not isinstance(i, bool) for i in eos_ids):
-        ids, bad = torch.tensor([int(i) for i in eos_ids], dtype=torch.long), False
     else:
-        ids, bad = None, True
-    if bad:
-        raise TypeError(f"eos_ids must be an int or a sequence of ints; got {eos_ids!r}.")
+        items = eos_ids if isinstance(eos_ids, Sequence) and not isinstance(eos_ids, str) else [eos_ids]
+        ids = torch.tensor([whole_number("eos_ids", i, fix="Pass a token id or a sequence of them.") for i in items],
+                           dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("eos_ids is empty; pass at least one end-of-sequence token id.")
     return ids.to(device)
