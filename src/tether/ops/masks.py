@@ -145,11 +145,16 @@ def rows_to_padded(values: Tensor, starts: Tensor, lengths: Tensor, T: int, *, p
 def pad_rows(rows: Sequence[Tensor], *, padding_value: float | int | bool = 0, padding_side: str = "right") -> Padded:
     """Tensors ``[n_b, ...]`` (one dtype and device) padded to the longest into
     ``Padded(values [B, T, ...], mask bool [B, T])``; no rows give ``long [0, 0]``."""
+    values, starts, lengths = _end_to_end(rows)
+    return rows_to_padded(values, starts, lengths, int(lengths.max()) if rows else 0, padding_side=padding_side,
+                          padding_value=padding_value)
+
+
+def _end_to_end(rows: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values [N, ...], starts [B], lengths [B])`` of rows laid end to end."""
     values = torch.cat(list(rows)) if rows else torch.zeros(0, dtype=torch.long)
     lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.long, device=values.device)
-    longest = int(lengths.max()) if rows else 0
-    return rows_to_padded(values, lengths.cumsum(0) - lengths, lengths, longest, padding_side=padding_side,
-                          padding_value=padding_value)
+    return values, lengths.cumsum(0) - lengths, lengths
 
 
 def response_mask(
@@ -265,9 +270,7 @@ def _flat_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         lengths = x.lengths() if x.lengths() is not None else offsets.diff()
         return x.values().movedim(ragged_dim_of(x) - 1, 0), offsets[:-1], lengths
     # Strided nested tensors keep one buffer per row: there is no flat view to gather from.
-    rows = x.unbind()
-    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.long, device=x.device)
-    return torch.cat(rows), lengths.cumsum(0) - lengths, lengths
+    return _end_to_end(x.unbind())
 
 
 def nested_to_padded(
