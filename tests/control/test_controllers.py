@@ -235,5 +235,7 @@ def test_registry_builds_by_name_and_lists_names_on_error():
     assert isinstance(ctl, AdaptiveKLController)
     assert isinstance(make_kl_controller("constant", kl_coef=0.1), ConstantKLController)
     assert isinstance(make_kl_controller("target", init_kl_coef=0.2, target=2.0), TargetKLController)
-    with pytest.raises(ValueError, match="adaptive.*budget.*constant.*target"):
+    with pytest.raises(ValueError, match="name: expected one of 'constant', 'adaptive', 'target', 'budget', got 'pid'"):
         make_kl_controller("pid")
+    with pytest.raises(ValueError, match="got \\['target'\\]"):  # an unhashable name: the same error
+        make_kl_controller(["target"])

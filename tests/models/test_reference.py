@@ -310,5 +310,7 @@ def test_bad_state_is_refused():
         ReferenceUpdater(policy, Pair(0.0, 0.0), mode="ema", alpha=0.25).load_state_dict(state)
     with pytest.raises(KeyError, match="state lacks 'every'"):
         updater.load_state_dict({"mode": "ema"})
-    with pytest.raises(KeyError, match=r"state\['reference'\] lacks tensors \['w'\]"):
+    with pytest.raises(KeyError, match=r"\['w'\] of the reference this updater moves are missing .*another model"):
         updater.load_state_dict({**state, "reference": {}})
+    with pytest.raises(ValueError, match=r"other shapes than its parameters \(w: \[3\] for \[2\]\)"):  # load_named's check
+        updater.load_state_dict({**state, "reference": {**state["reference"], "w": torch.zeros(3)}})

@@ -162,5 +162,7 @@ def test_score_texts_errors():
         rm.score_texts([])
     tok = make_tokenizer()
     tok.pad_token = None
-    with pytest.raises(ValueError, match="no pad id known.*pass pad_token_id="):
+    with pytest.raises(ValueError, match="pad_token_id: none given.*Pass pad_token_id=<id> to SequenceRewardModel"):
         SequenceRewardModel(classifier(pad_token_id=None), tok).score_texts(["x"])
+    with pytest.raises(ValueError, match="pad_token_id: expected an int >= 0, got -1"):  # special_ids' check
+        SequenceRewardModel(classifier(), pad_token_id=-1)

@@ -117,6 +117,54 @@ def test_plan_declines_when_rows_share_nothing():
     assert plan_prefix_split(tokens, mask, min_saving=0.05).width == 1
 
 
+def _naive_split(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, list[int], list[int]] | None:
+    """Every allowed cut P tried from scratch: the distinct rows of tokens[:, :P] (padding as -1),
+    in first-occurrence order; the cheapest cut (first on ties) and its grouping."""
+    keyed = tokens.masked_fill(~mask, -1).tolist()
+    valid = mask.tolist()
+    best = None
+    for cut in range(1, tokens.shape[1]):
+        if not all(row[cut - 1] for row in valid):
+            continue
+        first: dict[tuple, int] = {}
+        for b, row in enumerate(keyed):
+            first.setdefault(tuple(row[:cut]), b)
+        reps = sorted(first.values())
+        cost = sum(sum(valid[r][:cut]) for r in reps) + sum(sum(row[cut:]) for row in valid)
+        if best is None or cost < best[0]:
+            group = [reps.index(first[tuple(row[:cut])]) for row in keyed]
+            best = (cost, cut, reps, group)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_equals_a_from_scratch_search_of_every_cut(seed):
+    """The plan finds the distinct prefixes column by column (score_plan.distinct_rows on
+    (prefix group, token)); a search that groups every cut's whole prefix anew picks the same
+    cut, the same grouping and the same saving."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 6, (3, 5), generator=g)
+    rows = torch.randint(0, 3, (9,), generator=g)
+    tokens = torch.cat([prompts[rows], torch.randint(3, 5, (9, 4), generator=g)], dim=1)
+    starts = torch.randint(0, 3, (3,), generator=g)[rows]
+    ends = torch.randint(5 + seed % 3, 10, (9,), generator=g)  # later seeds allow longer cuts
+    cols = torch.arange(9)
+    mask = (cols >= starts[:, None]) & (cols < ends[:, None])
+    split = plan_prefix_split(tokens, mask, min_saving=0.0)
+    naive = _naive_split(tokens, mask)
+    total = int(mask.sum())
+    if naive is None or naive[0] == total:  # no allowed cut saves anything
+        assert split is None
+        return
+    cost, cut, reps, group = naive
+    order = split.representatives.argsort()  # the plan numbers groups by sorted prefix, not first row
+    renumber = torch.empty_like(order)
+    renumber[order] = torch.arange(order.numel())
+    assert (split.width, split.tokens_saved) == (cut, total - cost)
+    assert sorted(split.representatives.tolist()) == reps
+    assert renumber[split.inverse].tolist() == group
+
+
 @pytest.mark.parametrize("budget", [1, 7, 4096])
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_values_match_plain_scoring(model64, budget, with_entropy):

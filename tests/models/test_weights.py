@@ -20,3 +20,12 @@ def test_copies_by_name_and_refuses_before_copying_anything():
     with pytest.raises(ValueError, match=r"tensors for the model have other shapes .*0.bias: \[4\] for \[3\]"):
         load_named(model, {"1.bias": torch.zeros(1), "0.bias": torch.zeros(4)}, owner="the model", fix="Fix it.")
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing half-copied
+
+
+def test_named_tensors_receive_and_complete_requires_every_name():
+    a, b = torch.zeros(2), torch.zeros(1)
+    assert load_named({"a": a, "b": b}, {"a": torch.ones(2)}, owner="the pair", fix="Fix it.") == 1
+    assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.zeros(1))
+    with pytest.raises(KeyError, match=r"\['b'\] of the pair are missing from the tensors sent. Fix it."):
+        load_named({"a": a, "b": b}, {"a": torch.zeros(2)}, owner="the pair", fix="Fix it.", complete=True)
+    assert torch.equal(a, torch.ones(2))  # refused before copying

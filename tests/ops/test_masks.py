@@ -109,8 +109,10 @@ def test_truncate_errors():
     tokens, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"eos_ids is empty"):
         truncate_at_first_eos(tokens, mask, [])
-    with pytest.raises(TypeError, match=r"eos_ids must be an int or a sequence of ints; got 2.5"):
+    with pytest.raises(TypeError, match=r"eos_ids: expected an int, got 2.5 of type float. Pass a token id"):
         truncate_at_first_eos(tokens, mask, 2.5)
+    with pytest.raises(TypeError, match=r"eos_ids: expected an int, got True of type bool"):
+        truncate_at_first_eos(tokens, mask, [2, True])
     with pytest.raises(TypeError, match=r"eos_ids"):
         truncate_at_first_eos(tokens, mask, torch.tensor([1.0]))
     with pytest.raises(ValueError, match=r"tokens must be \[B, T\] with the mask's shape \(2, 3\); got \(2, 4\)"):

@@ -141,7 +141,13 @@ def test_registry_add_and_refuse():
         resolve_tools("calculator")
     with pytest.raises(TypeError, match="expected types among str, int, float, bool"):
         Tool("t", lambda x: x, {"x": list})
-    with pytest.raises(ValueError, match="timeout > 0"):
+    with pytest.raises(ValueError, match="Tool.timeout of 't': expected a finite number > 0, got 0"):
         Tool("t", lambda: "", timeout=0)
+    with pytest.raises(ValueError, match="Tool.timeout of 't': expected a finite number > 0, got inf"):
+        Tool("t", lambda: "", timeout=float("inf"))
+    with pytest.raises(ValueError, match="Tool.max_output_chars of 't': expected an int >= 1, got 0"):
+        Tool("t", lambda: "", max_output_chars=0)
+    with pytest.raises(TypeError, match="Tool.max_output_chars of 't': expected an int >= 1, got 9.5 of type float"):
+        Tool("t", lambda: "", max_output_chars=9.5)
     with pytest.raises(TypeError, match="expected a callable"):
         Tool("t", "not callable")

@@ -32,6 +32,7 @@ from tether.control._checks import (
     push_coef,
 )
 from tether.ops.checks import real_number
+from tether.ops.registry import lookup
 from tether.control.budget import BudgetKLController
 from tether.control.target import TargetKLController
 
@@ -214,11 +215,4 @@ KL_CONTROLLERS: dict[str, type] = {
 
 def make_kl_controller(name: str, **kwargs: Any) -> KLController:
     """Builds a controller from its registry name (for configs), e.g. ``"target"``."""
-    try:
-        cls = KL_CONTROLLERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"Unknown KL controller {name!r}; supported: {sorted(KL_CONTROLLERS)}. "
-            f"Pick one of those names."
-        ) from None
-    return cls(**kwargs)
+    return lookup(KL_CONTROLLERS, name, "name")(**kwargs)

@@ -30,6 +30,7 @@ from tether.integrations.torchrl import _INSTALL_HINT
 from tether.models import tokenize_chats
 from tether.models.batch_io import write_objects
 from tether.models.chat import render_chat_ids
+from tether.ops.masks import pad_rows
 
 __all__ = ["as_chat_env_transform", "history_to_chats"]
 
@@ -67,13 +68,11 @@ def _from_history(td: TensorDictBase, batch: TensorDictBase, tokenizer: Any) -> 
     prompts = history_to_chats(td.get(("history", "prompt")))
     enc = tokenize_chats(tokenizer, full)
     starts = [len(render_chat_ids(tokenizer, p, add_generation_prompt=True)) for p in prompts]
-    rows = torch.nn.utils.rnn.pad_sequence(enc.input_ids, batch_first=True, padding_value=0)
-    attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r, dtype=torch.bool) for r in enc.input_ids],
-                                                batch_first=True)
-    assistant = torch.nn.utils.rnn.pad_sequence(enc.assistant_mask, batch_first=True)
-    newest = torch.arange(rows.shape[-1])[None] >= torch.tensor(starts)[:, None]
-    batch.set(("tokens", "full"), rows)
-    batch.set(("masks", "all_attention_mask"), attention)
+    rows = pad_rows(enc.input_ids)
+    assistant = pad_rows(enc.assistant_mask, padding_value=False).values
+    newest = torch.arange(rows.values.shape[-1])[None] >= torch.tensor(starts)[:, None]
+    batch.set(("tokens", "full"), rows.values)
+    batch.set(("masks", "all_attention_mask"), rows.mask)
     batch.set(("masks", "all_assistant_mask"), assistant & newest)
     write_objects(batch, ("history", "full"), full)
 

@@ -20,8 +20,8 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey, unravel_key
 from torch import Tensor
 
-from tether.models.batch_io import NEXT, get_entry, has_key
-from tether.ops import nested_to_padded, padded_to_nested
+from tether.models.batch_io import NEXT, get_entry, has_key, ragged_grid
+from tether.ops import padded_to_nested
 
 TOKENS_KEY = ("tokens", "full")
 ATTENTION_KEY = ("masks", "all_attention_mask")
@@ -82,17 +82,13 @@ def read_grid(scope: TensorDictBase, key: NestedKey, mask: Tensor | None = None)
     value = get_entry(scope, key)
     if not isinstance(value, Tensor):
         raise TypeError(f"{key!r}: expected a per-token tensor, got {type(value).__name__}.")
-    if value.is_nested:
-        padded = nested_to_padded(value, padding_side="right")
-        return TokenGrid(values=padded.values, valid=padded.mask, nested=True)
-    if value.dim() < 2:
+    if not value.is_nested and value.dim() < 2:
         raise ValueError(
             f"{key!r}: expected a per-token tensor of shape [B, T] (or jagged [B, j]), got shape "
             f"{tuple(value.shape)}."
         )
-    if mask is None:
-        mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
-    return TokenGrid(values=value, valid=mask.to(value.device), nested=False)
+    values, valid = ragged_grid(value, None if mask is None else mask.to(value.device))
+    return TokenGrid(values=values, valid=valid, nested=value.is_nested)
 
 
 def read_mask(scopes: tuple[TensorDictBase, ...], key: NestedKey, like: TokenGrid) -> Tensor | None:

@@ -23,7 +23,6 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from tether.llm._checks import (
     check_assistant_only,
@@ -43,6 +42,7 @@ from tether.llm._token_grid import (
 from tether.models import TransformersWrapper, tokenize_chats
 from tether.models.batch_io import get_entry, has_key, listed_keys, read_chats, read_ragged, write_ragged
 from tether.ops import padded_to_nested
+from tether.ops.masks import pad_rows
 
 __all__ = ["RetrieveLogProb"]
 
@@ -61,10 +61,6 @@ class ScoredBatch:
     log_probs: Tensor  # [B, T]
     nested: bool
     from_batch: bool
-
-
-def _pad_rows(rows: list[Tensor], side: str, fill: int | bool) -> Tensor:
-    return pad_sequence(rows, batch_first=True, padding_value=fill, padding_side=side)
 
 
 class RetrieveLogProb(TensorDictModuleBase):
@@ -189,11 +185,10 @@ class RetrieveLogProb(TensorDictModuleBase):
         tokenizer = self.tokenizer if self.tokenizer is not None else self.model.tokenizer
         enc = tokenize_chats(tokenizer, chats, tokenizer_kwargs=self.tokenizer_kwargs)
         # Right-padded here; write_ragged lays the outputs out on padding_side afterwards.
-        ids = _pad_rows(enc.input_ids, "right", self.model.pad_id)
-        mask = _pad_rows([torch.ones_like(r, dtype=torch.bool) for r in enc.input_ids], "right", False)
-        assistant = _pad_rows(enc.assistant_mask, "right", False)
-        log_probs = self._log_probs(ids, mask, assistant)
-        return ScoredBatch(ids, mask, assistant, log_probs, nested=False, from_batch=False)
+        ids = pad_rows(enc.input_ids, padding_value=self.model.pad_id)
+        assistant = pad_rows(enc.assistant_mask, padding_value=False).values
+        log_probs = self._log_probs(ids.values, ids.mask, assistant)
+        return ScoredBatch(ids.values, ids.mask, assistant, log_probs, nested=False, from_batch=False)
 
     def _log_probs(self, ids: Tensor, mask: Tensor, assistant: Tensor | None) -> Tensor:
         # Assistant-only values are zeroed elsewhere anyway: run the output head only where they are kept.

@@ -3,7 +3,8 @@
 Chats and strings are stored as ``NonTensorStack`` entries (one Python object per row), so
 they follow indexing, stacking and splitting of the TensorDict. Ragged per-token tensors are
 stored either padded (with an explicit ``bool`` mask under ``("masks", ...)``) or as jagged
-nested tensors; ``read_ragged`` turns both into ``(values [B, T], mask [B, T])``.
+nested tensors; ``ragged_grid`` (read by ``read_ragged`` and ``tether.llm``'s ``read_grid``)
+turns both into ``(values [B, T], mask [B, T])``.
 
 A lazily stacked TensorDict (what TorchRL collectors produce, one unpadded row per
 sample) refuses a plain ``get`` of rows with different lengths; ``get_entry`` reads those
@@ -19,7 +20,8 @@ from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, Ten
 from torch import Tensor
 
 from tether.models.chat import validate_chats
-from tether.ops import mask_from_lengths, nested_to_padded, padded_to_nested
+from tether.ops import nested_to_padded, padded_to_nested
+from tether.ops.masks import row_runs, rows_to_padded
 from tether.ops._vocab_checks import check_mask
 
 Chat = list[dict[str, str]]
@@ -102,10 +104,21 @@ def read_strings(td: TensorDictBase, key) -> list[str]:
     return items
 
 
+def ragged_grid(value: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(values [B, T, ...], mask bool [B, T])`` of a per-token entry: jagged rows right-padded
+    (``nested_to_padded``), or a padded entry with its ``mask`` (None: every entry valid)."""
+    if value.is_nested:
+        padded = nested_to_padded(value, padding_side="right")
+        return padded.values, padded.mask
+    if mask is None:
+        mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
+    return value, mask
+
+
 def read_ragged(
     td: TensorDictBase, key, mask_key=None, *, required: bool = True
 ) -> tuple[Tensor, Tensor] | None:
-    """``(values [B, T], mask bool [B, T])`` of a padded-with-mask or jagged entry.
+    """``ragged_grid`` of the entry under ``key``, padded with its mask under ``mask_key``.
 
     A padded entry without a mask under ``mask_key`` is taken as fully valid.
     """
@@ -114,18 +127,16 @@ def read_ragged(
             raise missing_key(td, key, what="a per-token tensor")
         return None
     value = get_entry(td, key)
-    if value.is_nested:
-        padded = nested_to_padded(value, padding_side="right")
-        return padded.values, padded.mask
-    mask = get_entry(td, mask_key) if mask_key is not None and has_key(td, mask_key) else None
-    if mask is None:
-        mask = torch.ones(value.shape[:2], dtype=torch.bool, device=value.device)
-    elif mask.shape != value.shape[:2]:
-        raise ValueError(
-            f"{mask_key!r}: expected a mask of shape {tuple(value.shape[:2])} matching {key!r}, "
-            f"got {tuple(mask.shape)}."
-        )
-    return value, check_mask(repr(mask_key), mask)
+    mask = None
+    if not value.is_nested and mask_key is not None and has_key(td, mask_key):
+        mask = get_entry(td, mask_key)
+        if mask.shape != value.shape[:2]:
+            raise ValueError(
+                f"{mask_key!r}: expected a mask of shape {tuple(value.shape[:2])} matching {key!r}, "
+                f"got {tuple(mask.shape)}."
+            )
+        mask = check_mask(repr(mask_key), mask)
+    return ragged_grid(value, mask)
 
 
 def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:
@@ -133,20 +144,13 @@ def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Ten
 
     Crops the width to the longest row. ``values`` is ``[B, T, ...]``, ``mask`` ``bool [B, T]``.
     """
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}.")
-    lengths = mask.sum(-1)
-    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
+    start, lengths = row_runs(mask)
     width = int(lengths.max()) if lengths.numel() else 0
-    cols = torch.arange(width, device=mask.device)
-    new_mask = mask_from_lengths(lengths, width, padding_side=padding_side)
-    offset = (width - lengths)[:, None] if padding_side == "left" else 0
-    src = (start[:, None] + cols - offset).clamp(0, max(mask.shape[-1] - 1, 0))
-    index = src.view(*src.shape, *([1] * (values.ndim - 2))).expand(-1, -1, *values.shape[2:])
-    gathered = values.gather(1, index) if width else values[:, :0]
-    fill = torch.zeros((), dtype=values.dtype, device=values.device)
-    shaped_mask = new_mask.view(*new_mask.shape, *([1] * (values.ndim - 2)))
-    return torch.where(shaped_mask, gathered, fill), new_mask
+    rows, span = mask.shape
+    first = torch.arange(rows, device=mask.device) * span + start  # each run's place in the flattened values
+    padded = rows_to_padded(values.reshape(rows * span, *values.shape[2:]), first, lengths, width,
+                            padding_side=padding_side)
+    return padded.values, padded.mask
 
 
 def write_ragged(

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tether._compat import attention_implementation, attention_kernel, register_attention, supports_attention_interface
 from tether.models.score_plan import plan_micro_batches, row_spans
 from tether.models.score_sink import TokenSink
+from tether.ops.masks import padded_index
 
 # Attention implementations whose Hugging Face integration runs variable-length attention
 # from cu_seq_lens, and the package holding their kernel.
@@ -114,11 +115,9 @@ def row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     for name in ("sliding_window", "softcap"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"{ROW_ATTENTION}: {name}={kwargs[name]!r} is not implemented.")
-    tokens = query.shape[2]
-    lengths = (bounds[1:] - bounds[:-1]).long()
-    cols = torch.arange(int(longest), device=query.device)
-    valid = cols < lengths[:, None]  # [R, L]
-    gather = torch.where(valid, bounds[:-1, None].long() + cols, tokens)  # pad slots read an appended zero
+    bounds = bounds.long()
+    # [R, L]: where each row's slots read in the packed tokens; pad slots read an appended zero.
+    gather, valid = padded_index(bounds[:-1], bounds.diff(), int(longest), fill_index=query.shape[2])
 
     def by_row(x: Tensor) -> Tensor:  # [1, H, N, D] -> [R, H, L, D]
         x = torch.cat([x[0], x.new_zeros(x.shape[1], 1, x.shape[3])], dim=1)

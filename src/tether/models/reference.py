@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tether._compat import has_integrated_adapter, has_tuner_layers
+from tether.models.weights import load_named
 from tether.ops.checks import real_number, whole_number
 from tether.ops.registry import lookup
 
@@ -297,12 +298,8 @@ class ReferenceUpdater:
                     "build the updater with the same schedule as the one saved"
                 )
         if "reference" in state:
-            saved = state["reference"]
-            missing = sorted(set(self._pairs) - set(saved))
-            if missing:
-                raise KeyError(f"state['reference'] lacks tensors {missing[:5]}; it was saved from another model")
-            with torch.no_grad():
-                for name, (_, ref) in self._pairs.items():
-                    ref.copy_(saved[name])
+            load_named({name: ref for name, (_, ref) in self._pairs.items()}, state["reference"],
+                       owner="the reference this updater moves", complete=True,
+                       fix="state['reference'] was saved from another model; pass an updater's state of this one.")
         self.last_step = int(state["last_step"])
         self.num_updates = int(state["num_updates"])

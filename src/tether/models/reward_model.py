@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tether.models.special_ids import missing_pad_id, resolve_pad_id
+from tether.ops.masks import pad_rows, position_ids
+
 
 @dataclass
 class RewardOutput:
@@ -85,7 +88,7 @@ class SequenceRewardModel(nn.Module):
         model: e.g. ``AutoModelForSequenceClassification.from_pretrained(name, num_labels=1)``.
         tokenizer: optional; needed only by ``score_texts``.
         pad_token_id: id used to pad in ``score_texts``; default the tokenizer's pad id, then
-            the model config's. Never used to find the end of a sequence.
+            the model's (``tether.models.special_ids``). Never used to find the end of a sequence.
     """
 
     def __init__(self, model: nn.Module, tokenizer=None, *, pad_token_id: int | None = None) -> None:
@@ -95,20 +98,17 @@ class SequenceRewardModel(nn.Module):
         # The head stays reachable only through the model, so state_dict lists it once.
         self.model = model
         self.tokenizer = tokenizer
-        if pad_token_id is None and tokenizer is not None:
-            pad_token_id = tokenizer.pad_token_id
-        if pad_token_id is None:
-            pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-        self.pad_token_id = pad_token_id
+        # Only score_texts pads: a model without a pad id is refused there, not here.
+        self.pad_token_id = resolve_pad_id(pad_token_id, model, tokenizer, owner="SequenceRewardModel", required=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> RewardOutput:
         """Score a padded batch ``[B, T]`` (either padding side; mask 1 on real tokens)."""
         mask = _check_batch(input_ids, attention_mask)
         # Positions count real tokens only, so a left-padded row sees the same positions as
         # the right-padded one (HF's default positions would start at the padding).
-        position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+        positions = position_ids(mask)
         hidden = _backbone(self.model)(
-            input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids
+            input_ids=input_ids, attention_mask=mask.long(), position_ids=positions
         ).last_hidden_state
         token_scores = _score_head(self.model)(hidden).squeeze(-1).float().masked_fill(~mask, 0.0)
         positions = torch.arange(mask.shape[-1], device=mask.device)
@@ -125,16 +125,8 @@ class SequenceRewardModel(nn.Module):
         if len(texts) == 0:
             raise ValueError("texts is empty; pass at least one text to score")
         if self.pad_token_id is None:
-            raise ValueError(
-                "no pad id known (tokenizer.pad_token_id and model.config.pad_token_id are None); "
-                "pass pad_token_id= to SequenceRewardModel"
-            )
-        rows = [self.tokenizer(t)["input_ids"] for t in texts]
-        width = max(len(r) for r in rows)
+            raise missing_pad_id("SequenceRewardModel")
+        rows = pad_rows([torch.tensor(self.tokenizer(t)["input_ids"], dtype=torch.long) for t in texts],
+                        padding_value=self.pad_token_id)
         device = _score_head(self.model).weight.device
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
-        for i, row in enumerate(rows):
-            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, : len(row)] = True
-        return self.forward(input_ids, attention_mask)
+        return self.forward(rows.values.to(device), rows.mask.to(device))

@@ -26,6 +26,7 @@ from tether._compat import cache_layers, new_cache, select_cache_rows
 from tether.models._limits import check_fits_model
 from tether.models.score_plan import distinct_rows
 from tether.ops.checks import real_number, whole_number
+from tether.ops.masks import pad_rows, position_ids
 from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
 
 
@@ -171,7 +172,7 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor,
     """
     if past is not None and any(p is not None for p in past):
         return _prefill_after(model, prompt_ids, mask, past)
-    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    position = position_ids(mask)
     first, inverse = distinct_rows(prompt_ids.masked_fill(~mask.bool(), -1))
     share = first.shape[0] < prompt_ids.shape[0]
     rows = first if share else slice(None)
@@ -194,14 +195,14 @@ def _prefill_after(model: nn.Module, new_ids: Tensor, mask: Tensor,
     width = int(lengths.max())
     layers = []
     for layer, (k0, v0) in enumerate(known.layers):
-        def padded(which: int, like: Tensor) -> Tensor:
-            rows = [like.new_zeros(like.shape[0], width, like.shape[2]) if p is None else
-                    nn.functional.pad(p.layers[layer][which], (0, 0, width - p.length, 0)) for p in past]
-            return torch.stack(rows)
+        def padded(which: int, like: Tensor) -> Tensor:  # rows [H, n, D] -> [B, H, width, D], left-padded
+            rows = [like.new_zeros(0, like.shape[0], like.shape[2]) if p is None else
+                    p.layers[layer][which].transpose(0, 1) for p in past]
+            return pad_rows(rows, padding_side="left").values.transpose(1, 2).contiguous()
         layers.append((padded(0, k0), padded(1, v0)))
     held = torch.arange(width, device=mask.device) >= width - lengths[:, None]
     full = torch.cat([held.long(), mask], dim=-1)
-    position = lengths[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
+    position = lengths[:, None] + position_ids(mask)
     cache = new_cache(layers)
     logits = model(input_ids=new_ids, attention_mask=full, position_ids=position, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits

@@ -3,8 +3,8 @@
 One planner serves every scorer in ``tether.models`` (plain padding-free scoring, exact KL,
 the shared-prefix split's prefix and suffix passes, the sampler's prefill): rows are grouped
 longest first so that each pass's padded size stays under a token budget, a pass is laid
-out right-padded, and per-token values come back to the batch's grid through one flat
-scatter index. Rows that repeat a prefix are grouped by ``distinct_rows``.
+out right-padded (``tether.ops.masks.padded_index``), and per-token values come back to the
+batch's grid through one flat scatter index. Rows that repeat a prefix are grouped by ``distinct_rows``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from tether.ops.masks import padded_index, row_runs
+from tether.ops.slices import row_slices  # also imported from here by the callers that cut rows
 
 
 def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -26,8 +29,7 @@ def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
         ``(start [B], length [B])``, both ``long``.
     """
     mask = attention_mask.bool()
-    lengths = mask.sum(-1)
-    start = torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths))
+    start, lengths = row_runs(mask)
     cols = torch.arange(mask.shape[-1], device=mask.device)
     rebuilt = (cols >= start[:, None]) & (cols < (start + lengths)[:, None])
     if not torch.equal(rebuilt, mask):
@@ -73,7 +75,7 @@ def plan_equal_length_batches(lengths: Tensor, token_budget: int) -> list[Tensor
     for length in sorted(set(lengths.tolist())):
         same = (lengths == length).nonzero().flatten()
         size = max(1, token_budget // max(length, 1))
-        groups.extend(same[begin : begin + size] for begin in range(0, same.numel(), size))
+        groups.extend(same[begin:end] for begin, end in row_slices(same.numel(), size))
     return groups
 
 
@@ -91,25 +93,16 @@ def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int
     """Cut a padded batch into length-sorted, right-padded micro-batches (see module doc)."""
     start, lengths = row_spans(attention_mask)
     width = tokens.shape[-1]
+    flat = torch.cat([tokens.reshape(-1), tokens.new_zeros(1)])  # padding reads the appended 0
     out: list[MicroBatch] = []
     for rows in plan_micro_batches(lengths, token_budget):
         length = int(lengths[rows].max())
         if length < 2:
             continue  # a row of 0 or 1 token has no predicted token
-        cols = torch.arange(length, device=tokens.device)
-        src = (start[rows, None] + cols).clamp(max=width - 1)
-        valid = cols < lengths[rows, None]
-        ids = torch.where(valid, tokens[rows[:, None], src], 0)
+        index, valid = padded_index(rows * width + start[rows], lengths[rows], length, fill_index=flat.numel() - 1)
         keep = valid[:, 1:]
-        flat_index = (rows[:, None] * width + src[:, 1:])[keep]
-        out.append(MicroBatch(ids.to(device), valid.to(device), flat_index.to(device), keep.to(device)))
+        out.append(MicroBatch(flat[index].to(device), valid.to(device), index[:, 1:][keep].to(device), keep.to(device)))
     return out
-
-
-def row_slices(size: int, rows_per_slice: int) -> list[tuple[int, int]]:
-    """``(begin, end)`` of consecutive slices of ``rows_per_slice`` rows of ``range(size)``
-    (the last may be shorter): the one way a batch of rows is cut into fixed-size parts."""
-    return [(begin, min(begin + rows_per_slice, size)) for begin in range(0, size, rows_per_slice)]
 
 
 def first_of_each(group: Tensor) -> Tensor:

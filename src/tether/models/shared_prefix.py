@@ -28,9 +28,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tether._compat import cache_layers, new_cache
-from tether.models.score_plan import first_of_each, plan_equal_length_batches, plan_micro_batches
+from tether.models.score_plan import distinct_rows, plan_equal_length_batches, plan_micro_batches
 from tether.models.score_sink import TokenSink
 from tether.ops import TokenStats, token_stats_from_hidden
+from tether.ops.masks import position_ids
 
 
 @dataclass(frozen=True)
@@ -68,28 +69,23 @@ def plan_prefix_split(tokens: Tensor, attention_mask: Tensor, *, min_saving: flo
     # suffix_tokens[P] = valid tokens in columns >= P, summed over rows.
     suffix_tokens = valid.sum(0).flip(0).cumsum(0).flip(0).tolist() + [0]
     group = torch.zeros(batch, dtype=torch.long, device=tokens.device)
-    best: tuple[int, int, Tensor] | None = None  # (cost, P, group ids)
+    best: tuple[int, int, Tensor, Tensor] | None = None  # (cost, P, representatives, group ids)
     every_row_valid = mask.all(0).tolist()
     for col in range(width - 1):
-        pair = torch.stack([group, keyed[:, col]], dim=1)
-        _, group = torch.unique(pair, dim=0, return_inverse=True)
-        if int(group.max()) + 1 == batch:
+        # The distinct rows of keyed[:, :col + 1], found one column at a time: (prefix group, token).
+        reps, group = distinct_rows(torch.stack([group, keyed[:, col]], dim=1))
+        if reps.numel() == batch:
             break  # every row is distinct from here on: longer cuts cannot save anything
         cut = col + 1
         if not every_row_valid[col]:
             continue
-        reps = first_of_each(group)
         cost = int(valid[reps, :cut].sum()) + suffix_tokens[cut]
         if best is None or cost < best[0]:
-            best = (cost, cut, group.clone())
+            best = (cost, cut, reps, group)
     if best is None or total - best[0] < min_saving * total:
         return None
-    cost, cut, group = best
-    return PrefixSplit(width=cut, representatives=first_of_each(group), inverse=group, tokens_saved=total - cost)
-
-
-def _positions(mask: Tensor) -> Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+    cost, cut, reps, group = best
+    return PrefixSplit(width=cut, representatives=reps, inverse=group, tokens_saved=total - cost)
 
 
 def _run_prefixes(
@@ -184,7 +180,7 @@ def _score_suffixes(decoder: nn.Module, tokens: Tensor, mask: Tensor, split: Pre
     """Each row's suffix on top of its prefix's cache; token ``P`` is predicted from the prefix."""
     width, cut = tokens.shape[1], split.width
     suffix_len = mask[:, cut:].sum(-1)
-    positions = _positions(mask)
+    positions = position_ids(mask)
     with_suffix = (suffix_len > 0).nonzero().flatten()  # rows ending at column P-1 have none
     for group in plan_micro_batches(suffix_len[with_suffix], token_budget):
         rows = with_suffix[group]

@@ -1,7 +1,7 @@
 """End-of-sequence and padding ids, from the caller, the tokenizer or the model: the one policy.
 
 Every component that samples, pads or ends responses (``TransformersWrapper``,
-``RolloutFromModel``) resolves its ids here. An explicit argument wins, then the tokenizer,
+``RolloutFromModel``, ``SequenceRewardModel``) resolves its ids here. An explicit argument wins, then the tokenizer,
 then the model's generation config and config; finding nothing is an error naming the
 keyword to pass, never a guess (the TorchRL seed hard-coded GPT-2's 50256, and an earlier
 tether wrapper fell back to the smallest eos id).
@@ -15,7 +15,7 @@ from torch import nn
 
 from tether.ops.checks import whole_number
 
-__all__ = ["resolve_eos_ids", "resolve_pad_id"]
+__all__ = ["missing_pad_id", "resolve_eos_ids", "resolve_pad_id"]
 
 
 def _as_ids(name: str, value: Any) -> tuple[int, ...]:
@@ -55,15 +55,27 @@ def _one_id(name: str, value: Any) -> int:
     return whole_number(name, value, low=0, fix="Pass one token id.")
 
 
-def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any, *, owner: str = "RolloutFromModel") -> int:
-    """The id written after a response ends: the argument, else the first one found."""
+def resolve_pad_id(pad_token_id: Any, model: nn.Module, tokenizer: Any, *, owner: str = "RolloutFromModel",
+                   required: bool = True) -> int | None:
+    """The id written after a response ends: the argument, else the first one found.
+
+    Finding none raises ``missing_pad_id(owner)``, or with ``required=False`` gives None for
+    a component that needs the id only for some calls (it raises that error there).
+    """
     if pad_token_id is not None:
         return _one_id("pad_token_id", pad_token_id)
     for source in _sources(model, tokenizer):
         value = getattr(source, "pad_token_id", None)
         if value is not None:
             return _one_id("pad_token_id (found on the tokenizer/model)", value)
-    raise ValueError(
+    if required:
+        raise missing_pad_id(owner)
+    return None
+
+
+def missing_pad_id(owner: str) -> ValueError:
+    """The error for a pad id that was neither given nor found."""
+    return ValueError(
         "pad_token_id: none given and none found on the tokenizer, model.generation_config or "
         f"model.config. Pass pad_token_id=<id> to {owner} (the eos id is a common choice "
         "for models trained without a pad token)."

@@ -44,7 +44,8 @@ from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.score_sink import HeadHidden, ScoredTokens
 from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
-from tether.ops import PADDING_SIDES, TokenStats, mask_from_lengths
+from tether.ops import PADDING_SIDES, TokenStats
+from tether.ops.masks import pad_rows, position_ids
 from tether.ops.registry import lookup
 from tether.ops._vocab_checks import check_token_ids
 
@@ -61,18 +62,6 @@ class EncodedBatch:
     mask: Tensor  # bool [B, T]
     assistant_mask: Tensor | None = None  # bool [B, T]
     prompt_lengths: Tensor | None = None  # long [B]: tokens of each row that are prompt
-
-
-def _stack_rows(rows: list[Tensor], padding_side: str, fill: int | bool) -> tuple[Tensor, Tensor]:
-    """Pad a list of 1-D tensors into ``[B, T]`` plus its valid mask."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = int(lengths.max()) if rows else 0
-    mask = mask_from_lengths(lengths, width, padding_side=padding_side)
-    dtype = rows[0].dtype if rows else torch.long
-    out = torch.full((len(rows), width), fill, dtype=dtype)
-    if rows:
-        out[mask] = torch.cat(rows)
-    return out, mask
 
 
 def _prompt_mask_key(td: TensorDictBase) -> tuple[str, str]:
@@ -226,7 +215,8 @@ class TransformersWrapper(TensorDictModuleBase):
     # ---------------------------------------------------------------- encoding
     def _encode_texts(self, texts: list[str], padding_side: str) -> tuple[Tensor, Tensor]:
         rows = [torch.tensor(self.tokenizer(t)["input_ids"], dtype=torch.long) for t in texts]
-        return _stack_rows(rows, padding_side, self.pad_id)
+        padded = pad_rows(rows, padding_value=self.pad_id, padding_side=padding_side)
+        return padded.values, padded.mask
 
     def _encode(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
         """Token ids of ``(input_mode, stage)`` laid out with ``padding_side`` padding."""
@@ -240,9 +230,9 @@ class TransformersWrapper(TensorDictModuleBase):
     def _encode_history(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
         chats = read_chats(td, ("history", stage))
         enc = tokenize_chats(self.tokenizer, chats, add_generation_prompt=stage == "prompt")
-        ids, mask = _stack_rows(enc.input_ids, padding_side, self.pad_id)
-        assistant, _ = _stack_rows(enc.assistant_mask, padding_side, False)
-        return EncodedBatch(ids=ids, mask=mask, assistant_mask=assistant)
+        ids = pad_rows(enc.input_ids, padding_value=self.pad_id, padding_side=padding_side)
+        assistant = pad_rows(enc.assistant_mask, padding_value=False, padding_side=padding_side)
+        return EncodedBatch(ids=ids.values, mask=ids.mask, assistant_mask=assistant.values)
 
     def _encode_text(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
         ids, mask = self._encode_texts(read_strings(td, ("text", stage)), padding_side)
@@ -336,7 +326,7 @@ class TransformersWrapper(TensorDictModuleBase):
         out_device = td.device if td.device is not None else enc.ids.device
         assistant = enc.assistant_mask
         if assistant is None and enc.prompt_lengths is not None:
-            position = enc.mask.long().cumsum(-1) - 1
+            position = position_ids(enc.mask)
             assistant = enc.mask & (position >= enc.prompt_lengths.to(enc.mask.device)[:, None])
         self._write_common(td, enc.ids, enc.mask, assistant)
         if not self.return_log_probs:

@@ -20,6 +20,7 @@ from torch import Tensor
 from tether.models.step_record import StepRecord
 from tether.models.batch_io import fetch, has_key, missing_key
 from tether.ops import nested_to_padded
+from tether.ops.masks import row_runs
 from tether.ops._vocab_checks import check_mask, check_same_device, check_token_ids
 
 
@@ -136,6 +137,13 @@ def _check_finite(value: Tensor, mask: Tensor, key: NestedKey) -> None:
         )
 
 
+def _zero_outside(value: Tensor, mask: Tensor, key: NestedKey) -> Tensor:
+    """``value`` with 0 outside ``mask`` once every value inside it is checked finite."""
+    mask = mask.to(value.device)
+    _check_finite(value, mask, key)
+    return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device))
+
+
 def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tokens: bool) -> Tensor:
     value = _fetch(td, key, "the advantages", "Compute them first (e.g. with MCAdvantage).")
     rows = attention.shape[0]
@@ -187,7 +195,7 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
     loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested)
     check_same_device(repr(keys.loss_mask), loss_mask, repr(keys.action), attention)
     mask = check_mask(repr(keys.loss_mask), loss_mask) & attention
-    first = torch.where(attention.any(-1), attention.int().argmax(-1), torch.zeros_like(attention[:, 0], dtype=torch.long))
+    first, _ = row_runs(attention)
     if bool(mask.gather(1, first[:, None]).any()):
         raise ValueError(
             f"{keys.loss_mask!r}: the mask covers the first token of a row, which has no prediction "
@@ -199,12 +207,8 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
             f"{keys.sample_log_prob!r}: the stored sampling log-probs require grad; they must be constants "
             "recorded at sampling time. Store them detached (tensor.detach())."
         )
-    zero = torch.zeros((), dtype=torch.get_default_dtype())
-
     def clean(value: Tensor, key: NestedKey) -> Tensor:
-        value = _on_grid(value, key, attention, nested)
-        _check_finite(value, mask.to(value.device), key)
-        return torch.where(mask.to(value.device), value, zero.to(value.device, value.dtype))
+        return _zero_outside(_on_grid(value, key, attention, nested), mask, key)
 
     advantage = _advantage(td, keys.advantage, attention, nested)
     if advantage.shape == mask.shape:
@@ -237,10 +241,7 @@ def grpo_batch_from_record(record: StepRecord, *, with_ref: bool, with_old: bool
                          "loss with kl_to_ref_coeff=None.")
 
     def clean(value: Tensor | None, name: str) -> Tensor | None:
-        if value is None:
-            return None
-        _check_finite(value, mask.to(value.device), f"StepRecord.{name}")
-        return torch.where(mask.to(value.device), value, torch.zeros((), dtype=value.dtype, device=value.device)).detach()
+        return None if value is None else _zero_outside(value, mask, f"StepRecord.{name}").detach()
 
     # [B] (one advantage per answer) goes onto the grid like [B, T], so one check covers both.
     advantage = record.advantages[:, None].expand_as(mask) if record.advantages.dim() == 1 else record.advantages

@@ -27,6 +27,7 @@ from tether.models.batch_io import fetch, has_key
 from tether.objectives.group_advantage import check_advantage_options, mc_group_advantages
 from tether.ops.checks import whole_number
 from tether.ops import nested_to_padded, padded_to_nested, ragged_dim_of
+from tether.ops.masks import pad_rows
 
 _LOG = logging.getLogger(__name__)
 
@@ -236,14 +237,12 @@ class MCAdvantage(nn.Module):
     def _with_advantages(self, group: list[TensorDictBase], key: str) -> TensorDictBase:
         entries = [self._entries(traj) for traj in group]
         flat = [e.values[e.mask] for e in entries]
-        lengths = torch.tensor([f.numel() for f in flat])
-        grid = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True)
-        mask = torch.arange(grid.shape[1])[None, :] < lengths[:, None]
-        advantages = self.compute(grid, torch.zeros(len(group), dtype=torch.long), mask.to(grid.device))
+        grid = pad_rows(flat)
+        advantages = self.compute(grid.values, torch.zeros(len(group), dtype=torch.long), grid.mask)
         if self.verbose:
             _LOG.info("MCAdvantage: group of %d trajectories for %s, rewards %s", len(group), key[:48], flat)
         out = []
-        for traj, entry, row, count in zip(group, entries, advantages, lengths.tolist()):
+        for traj, entry, row, count in zip(group, entries, advantages, grid.mask.sum(-1).tolist()):
             full = advantages.new_zeros(entry.values.shape).masked_scatter(entry.mask, row[:count])
             traj = traj.copy()
             traj.set(self.advantage_key, entry.restore(full))

@@ -1,4 +1,4 @@
-"""Argument checks and chunking helpers shared by the vocabulary reductions.
+"""Argument checks shared by the vocabulary reductions.
 
 ``logprobs.py`` and ``exact_kl.py`` accept the same kinds of arguments (logits, hidden
 states with an ``lm_head``, labels, temperature, chunk size); checking them in one place
@@ -7,8 +7,6 @@ naming the argument, what was expected, what came, and how to fix it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -19,12 +17,6 @@ from tether.ops.checks import real_number, whole_number
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """float64 if any input is float64, else float32 (bf16 / fp16 are upcast)."""
     return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def chunk_bounds(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` row ranges of at most ``chunk_size`` rows covering ``range(n)``."""
-    for start in range(0, n, chunk_size):
-        yield start, min(start + chunk_size, n)
 
 
 def check_temperature(temperature: object) -> float:

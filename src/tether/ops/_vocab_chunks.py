@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tether.ops._vocab_checks import chunk_bounds
+from tether.ops.slices import row_slices
 
 
 def shift_max_(z: Tensor) -> Tensor:
@@ -190,7 +190,7 @@ def stats_forward(
     log_probs = None if labels is None else torch.empty_like(lse)
     entropy = torch.empty_like(lse) if want_entropy else None
     scratch = Scratch(min(chunk_size, n), vocab, like, dtype, spare=want_entropy)
-    for start, stop in chunk_bounds(n, chunk_size):
+    for start, stop in row_slices(n, chunk_size):
         z, spare = scratch.take(stop - start)
         c_lp, c_lse, c_ent = chunk_forward(
             load(start, stop, z), rows_of(labels, start, stop), spare
@@ -220,7 +220,7 @@ def stats_backward(
     g_lp = grad_scale(g_lp, temperature, lse.dtype)
     g_ent = grad_scale(g_ent, temperature, lse.dtype)
     scratch = Scratch(min(chunk_size, n), vocab, like, lse.dtype, spare=g_ent is not None)
-    for start, stop in chunk_bounds(n, chunk_size):
+    for start, stop in row_slices(n, chunk_size):
         z, spare = scratch.take(stop - start)
         rows = slice(start, stop)
         grad_z = chunk_grad(
@@ -254,7 +254,7 @@ def label_grad_backward(
     n = hidden.shape[0]
     g = grad_scale(g_lp, temperature, lse.dtype)
     scratch = Scratch(min(chunk_size, n), weight.shape[0], hidden, lse.dtype, spare=False)
-    for start, stop in chunk_bounds(n, chunk_size):
+    for start, stop in row_slices(n, chunk_size):
         rows = slice(start, stop)
         out, _ = scratch.take(stop - start)
         p = head_log_softmax(hidden[rows], weight, bias, temperature, lse[rows], out).exp_()

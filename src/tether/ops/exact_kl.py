@@ -29,7 +29,6 @@ from tether.ops._vocab_checks import (
     check_logits,
     check_same_device,
     check_temperature,
-    chunk_bounds,
     compute_dtype,
 )
 from tether.ops._vocab_chunks import (
@@ -40,6 +39,7 @@ from tether.ops._vocab_chunks import (
     shift_max_,
 )
 from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
+from tether.ops.slices import row_slices
 
 
 def _log_softmax_(z: Tensor, spare: Tensor) -> Tensor:
@@ -93,7 +93,7 @@ class _KLScratch:
 def _kl_forward(load_z, load_y, like, n, vocab, dtype, chunk_size) -> Tensor:
     kl = like.new_empty(n, dtype=dtype)
     scratch = _KLScratch(min(chunk_size, n), vocab, like, dtype)
-    for start, stop in chunk_bounds(n, chunk_size):
+    for start, stop in row_slices(n, chunk_size):
         z, y, spare = scratch.take(stop - start)
         kl[start:stop] = _chunk_kl(load_z(start, stop, z), load_y(start, stop, y), spare)[0]
     return kl
@@ -101,7 +101,7 @@ def _kl_forward(load_z, load_y, like, n, vocab, dtype, chunk_size) -> Tensor:
 
 def _kl_backward(load_z, load_y, consume, like, n, vocab, dtype, chunk_size, g) -> None:
     scratch = _KLScratch(min(chunk_size, n), vocab, like, dtype)
-    for start, stop in chunk_bounds(n, chunk_size):
+    for start, stop in row_slices(n, chunk_size):
         z, y, spare = scratch.take(stop - start)
         grad_z = _chunk_kl_grad(
             load_z(start, stop, z), load_y(start, stop, y), spare, g[start:stop]

@@ -14,13 +14,13 @@ batch whose mask is one contiguous block per row round-trips exactly on either s
 The ragged dim of a jagged tensor need not be dim 1: stacking rows shaped ``[1, n_b, 1]``
 (per-step token rewards, as TensorDict's lazy stacks return them) gives ``[B, 1, j, 1]``.
 Both directions take the ragged dim into account (``ragged_dim``); the mask is always
-``[B, T]`` over that dim.
+``[B, T]`` over that dim. Every layout of rows into a padded grid (nested tensors, lists of
+rows, packed rows, another grid's runs) reads its entries through ``padded_index``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Callable, Sequence
 
 import torch
@@ -98,6 +98,65 @@ def mask_from_lengths(lengths: Tensor, T: int, *, padding_side: str = "right") -
     return _window(begin, begin + lengths, T)
 
 
+def row_runs(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(start [B], length [B])`` of each row of ``mask bool [B, T]``: its first valid column
+    (0 for an empty row) and its count of valid entries. They describe the row only when its
+    valid entries are one contiguous run (``tether.models.score_plan.row_spans`` checks that)."""
+    mask = mask.bool()
+    lengths = mask.sum(-1)
+    return torch.where(lengths > 0, mask.int().argmax(-1), torch.zeros_like(lengths)), lengths
+
+
+def position_ids(mask: Tensor) -> Tensor:
+    """``long [B, T]``: each valid entry's index among its row's valid entries (0 at padding
+    before them): the position ids of a padded batch whose rows start at its first token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def padded_index(starts: Tensor, lengths: Tensor, T: int, *, padding_side: str = "right",
+                 fill_index: int = -1) -> tuple[Tensor, Tensor]:
+    """Where each position of a ``[B, T]`` grid padded on ``padding_side`` takes its entry from.
+
+    Row ``b`` is the entries ``starts[b] : starts[b] + lengths[b]`` of a flat source: rows laid
+    end to end (a nested tensor's values, packed rows) or a ``[B, S]`` grid flattened
+    (``starts = b * S + first column``). ``lengths`` must lie in ``[0, T]``; unlike
+    ``mask_from_lengths`` nothing is checked here, so there is no host sync.
+
+    Returns:
+        ``(index long [B, T], mask bool [B, T])``: the source position of each valid entry,
+        ``fill_index`` at padding; ``mask`` as ``mask_from_lengths`` gives it.
+    """
+    begin = _side(padding_side)(lengths, T)
+    mask = _window(begin, begin + lengths, T)
+    cols = torch.arange(T, device=lengths.device)
+    return torch.where(mask, (starts - begin)[:, None] + cols, fill_index), mask
+
+
+def rows_to_padded(values: Tensor, starts: Tensor, lengths: Tensor, T: int, *, padding_side: str = "right",
+                   padding_value: float | int | bool = 0) -> Padded:
+    """The rows held in ``values [N, ...]`` (row ``b`` at ``starts[b] : starts[b] + lengths[b]``,
+    see ``padded_index``) as ``Padded(values [B, T, ...], mask bool [B, T])``; differentiable
+    w.r.t. ``values``."""
+    index, mask = padded_index(starts, lengths, T, padding_side=padding_side, fill_index=values.shape[0])
+    fill = values.new_full((1, *values.shape[1:]), padding_value)
+    return Padded(values=torch.cat([values, fill])[index], mask=mask)
+
+
+def pad_rows(rows: Sequence[Tensor], *, padding_value: float | int | bool = 0, padding_side: str = "right") -> Padded:
+    """Tensors ``[n_b, ...]`` (one dtype and device) padded to the longest into
+    ``Padded(values [B, T, ...], mask bool [B, T])``; no rows give ``long [0, 0]``."""
+    values, starts, lengths = _end_to_end(rows)
+    return rows_to_padded(values, starts, lengths, int(lengths.max()) if rows else 0, padding_side=padding_side,
+                          padding_value=padding_value)
+
+
+def _end_to_end(rows: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values [N, ...], starts [B], lengths [B])`` of rows laid end to end."""
+    values = torch.cat(list(rows)) if rows else torch.zeros(0, dtype=torch.long)
+    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.long, device=values.device)
+    return values, lengths.cumsum(0) - lengths, lengths
+
+
 def response_mask(
     prompt_lengths: Tensor, lengths: Tensor, T: int, *, padding_side: str = "right"
 ) -> Tensor:
@@ -132,16 +191,13 @@ def response_mask(
 
 def _eos_tensor(eos_ids: int | Sequence[int] | Tensor, device: torch.device) -> Tensor:
     if isinstance(eos_ids, Tensor):
+        if eos_ids.is_floating_point() or eos_ids.dtype == torch.bool:
+            raise TypeError(f"eos_ids: expected an integer tensor, an int or a sequence of ints, got {eos_ids!r}.")
         ids = eos_ids.reshape(-1)
-        bad = ids.is_floating_point() or ids.dtype == torch.bool
-    elif isinstance(eos_ids, Integral) and not isinstance(eos_ids, bool):
-        ids, bad = torch.tensor([int(eos_ids)]), False
-    elif isinstance(eos_ids, Sequence) and all(isinstance(i, Integral) and not isinstance(i, bool) for i in eos_ids):
-        ids, bad = torch.tensor([int(i) for i in eos_ids], dtype=torch.long), False
     else:
-        ids, bad = None, True
-    if bad:
-        raise TypeError(f"eos_ids must be an int or a sequence of ints; got {eos_ids!r}.")
+        items = eos_ids if isinstance(eos_ids, Sequence) and not isinstance(eos_ids, str) else [eos_ids]
+        ids = torch.tensor([whole_number("eos_ids", i, fix="Pass a token id or a sequence of them.") for i in items],
+                           dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("eos_ids is empty; pass at least one end-of-sequence token id.")
     return ids.to(device)
@@ -207,20 +263,14 @@ def ragged_dim_of(x: Tensor) -> int:
     return jagged_ragged_dim(x) if x.layout == torch.jagged else 1
 
 
-def _jagged_parts(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Values ``[N, ...]`` (ragged dim first) in row order and lengths ``[B]`` of a nested tensor."""
+def _flat_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values [N, ...] (ragged dim first), starts [B], lengths [B])`` of a nested tensor."""
     if x.layout == torch.jagged:
         offsets = x.offsets()
         lengths = x.lengths() if x.lengths() is not None else offsets.diff()
-        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-        packed_starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(dim=0)[:-1]])
-        within = torch.arange(rows.numel(), device=lengths.device) - packed_starts[rows]
-        values = x.values().movedim(ragged_dim_of(x) - 1, 0)
-        return values[offsets[rows] + within], lengths
+        return x.values().movedim(ragged_dim_of(x) - 1, 0), offsets[:-1], lengths
     # Strided nested tensors keep one buffer per row: there is no flat view to gather from.
-    rows = x.unbind()
-    lengths = torch.tensor([row.shape[0] for row in rows], dtype=torch.long, device=x.device)
-    return torch.cat(rows), lengths
+    return _end_to_end(x.unbind())
 
 
 def nested_to_padded(
@@ -247,7 +297,7 @@ def nested_to_padded(
     if not isinstance(x, Tensor) or not x.is_nested:
         raise TypeError(f"x must be a nested tensor; got {type(x).__name__}. Build one with padded_to_nested.")
     _side(padding_side)
-    values, lengths = _jagged_parts(x)
+    values, starts, lengths = _flat_rows(x)
     longest = int(lengths.max()) if lengths.numel() else 0
     if total_length is None:
         total_length = longest
@@ -257,7 +307,6 @@ def nested_to_padded(
             f"total_length={total_length} is shorter than the longest row ({longest}); "
             "pass total_length >= the longest row, or None."
         )
-    mask = mask_from_lengths(lengths, total_length, padding_side=padding_side)
-    out = values.new_full((lengths.numel(), total_length, *values.shape[1:]), padding_value)
-    out = out.index_put((mask,), values)
-    return Padded(values=out.movedim(1, ragged_dim_of(x)), mask=mask)
+    padded = rows_to_padded(values, starts, lengths, total_length, padding_side=padding_side,
+                            padding_value=padding_value)
+    return Padded(values=padded.values.movedim(1, ragged_dim_of(x)), mask=padded.mask)

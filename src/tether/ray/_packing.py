@@ -2,8 +2,9 @@
 
 Each request is a ``[b_i, T_i]`` batch padded on either side. Every row's contiguous run of
 valid tokens is copied to the left of a shared ``[sum b_i, L]`` right-padded grid (``L`` the
-longest run), which ``score_tokens`` scores in one call; ``unpack`` puts each row's
-log-probs back at the positions its tokens had in the caller's own layout.
+longest run; ``tether.ops.masks.padded_index``), which ``score_tokens`` scores in one call;
+``unpack`` puts each row's log-probs back at the positions its tokens had in the caller's own
+layout (``score_plan.scatter_tokens``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tether.models.scoring import row_spans
+from tether.models.score_plan import row_spans, scatter_tokens
+from tether.ops.masks import padded_index
 
 __all__ = ["PackedRows", "pack_rows", "unpack_rows"]
 
@@ -23,7 +25,7 @@ class RowPlacement:
     """Where one request's rows sit in the caller's layout and in the packed grid."""
 
     first_row: int  # index of the request's first row in the packed grid
-    source: Tensor  # long [b, L]: caller column of each packed column (clamped past the run)
+    source: Tensor  # long [b, L]: caller position row * T + column of each packed position
     valid: Tensor  # bool [b, L]: packed positions that hold a real token
     shape: tuple[int, int]  # the caller's [b, T]
 
@@ -41,15 +43,13 @@ def pack_rows(batches: list[tuple[Tensor, Tensor]]) -> PackedRows:
     """Pack ``[(tokens [b_i, T_i], mask bool [b_i, T_i]), ...]`` into one right-padded grid."""
     spans = [row_spans(mask) for _, mask in batches]
     width = max([int(lengths.max()) for _, lengths in spans if lengths.numel()] + [1])
-    cols = torch.arange(width)
     ids, masks, placements = [], [], []
     first = 0
-    for (tokens, mask), (start, lengths) in zip(batches, spans):
+    for (tokens, _), (start, lengths) in zip(batches, spans):
         rows, span = tokens.shape
-        valid = cols[None, :] < lengths[:, None]
-        source = (start[:, None] + cols[None, :]).clamp(max=max(span - 1, 0))
-        gathered = tokens.gather(1, source) if span else torch.zeros(rows, width, dtype=torch.long)
-        ids.append(torch.where(valid, gathered, 0).long())
+        flat = torch.cat([tokens.reshape(-1).long(), tokens.new_zeros(1, dtype=torch.long)])  # padding reads 0
+        source, valid = padded_index(torch.arange(rows) * span + start, lengths, width, fill_index=rows * span)
+        ids.append(flat[source])
         masks.append(valid)
         placements.append(RowPlacement(first, source, valid, (rows, span)))
         first += rows
@@ -65,8 +65,5 @@ def unpack_rows(values: Tensor, packed: PackedRows) -> list[Tensor]:
     for place in packed.placements:
         rows, span = place.shape
         part = values[place.first_row : place.first_row + rows]
-        grid = values.new_zeros(rows, span)
-        row_index = torch.arange(rows)[:, None].expand_as(place.source)
-        grid[row_index[place.valid], place.source[place.valid]] = part[place.valid]
-        out.append(grid)
+        out.append(scatter_tokens([place.source[place.valid]], [part[place.valid]], rows, span, values.device))
     return out

@@ -32,6 +32,7 @@ from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.batch_io import read_objects, write_objects
 from tether.models.weights import load_named
 from tether.ops.checks import whole_number
+from tether.ops.slices import even_slices
 from tether.ray._runtime import (
     actor_resources,
     check_seconds,
@@ -98,13 +99,7 @@ def worker_seed(seed: int, step: int, worker: int) -> int:
 
 def split_groups(num_groups: int, num_workers: int) -> list[range]:
     """Contiguous runs of group indices, one per worker, sizes differing by at most one."""
-    base, extra = divmod(num_groups, num_workers)
-    runs, begin = [], 0
-    for w in range(num_workers):
-        end = begin + base + (1 if w < extra else 0)
-        runs.append(range(begin, end))
-        begin = end
-    return runs
+    return [range(begin, end) for begin, end in even_slices(num_groups, num_workers)]
 
 
 def _leaves(td: TensorDictBase, prefix: tuple = ()) -> dict[tuple, Any]:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from tether.models.sampling import sample_responses
 from tether.models.scoring import score_tokens
 from tether.ops.checks import kl_coefficient, real_number, whole_number
+from tether.ops.masks import rows_to_padded
 from tether.rollout._checks import check_generated, per_step
 from tether.rollout.prompts import PromptBatch
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
@@ -319,11 +320,11 @@ class RolloutFromModel:
     def _left_padded_prompt(self, batch: PromptBatch) -> tuple[Tensor, Tensor]:
         """The prompts moved to the left, trimmed to the longest: ``[B, P]`` ids and mask."""
         rindex = batch.prompt_rindex
-        width = int(rindex.max())
-        source = torch.arange(width, device=rindex.device)[None, :] - (width - rindex)[:, None]
-        valid = source >= 0
-        ids = batch.input_ids.gather(1, source.clamp(min=0)).masked_fill(~valid, self.pad_token_id)
-        return ids, valid
+        rows, span = batch.input_ids.shape
+        first = torch.arange(rows, device=rindex.device) * span  # each prompt starts its row
+        prompt = rows_to_padded(batch.input_ids.reshape(-1), first, rindex, int(rindex.max()), padding_side="left",
+                                padding_value=self.pad_token_id)
+        return prompt.values, prompt.mask
 
     def _response_log_probs(self, model: nn.Module, generated: Tensor, mask: Tensor, index: Tensor) -> Tensor:
         stats = score_tokens(model, generated, mask, temperature=self.temperature)

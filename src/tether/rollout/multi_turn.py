@@ -24,13 +24,13 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import Tensor
-from torch.nn.utils.rnn import pad_sequence
 
 from tether.models import TransformersWrapper
 from tether.models.batch_io import read_chats, write_objects, write_ragged
 from tether.models.chat import render_chat_ids
 from tether.models.sampling import RowCache, sample_responses
 from tether.ops.checks import whole_number
+from tether.ops.masks import Padded, pad_rows
 from tether.rollout.tool_calls import ParsedCall, resolve_tool_format
 from tether.rollout.tools import Tool, ToolResult, resolve_tools, run_tool_call
 
@@ -164,12 +164,10 @@ class MultiTurnRollout(TensorDictModuleBase):
         wrapper, opts = self.policy, self.policy.generate_kwargs
         past = self._cached(rows)
         new = [r if p is None else r[p.length:] for r, p in zip(rows, past)]
-        ids = pad_sequence([torch.tensor(r) for r in new], batch_first=True,
-                           padding_value=wrapper.pad_id, padding_side="left")
-        mask = pad_sequence([torch.ones(len(r), dtype=torch.bool) for r in new], batch_first=True,
-                            padding_value=False, padding_side="left")
+        prompts = pad_rows([torch.tensor(r, dtype=torch.long) for r in new], padding_value=wrapper.pad_id,
+                           padding_side="left")
         sample = sample_responses(
-            wrapper.model, ids.to(wrapper.device), mask.to(wrapper.device),
+            wrapper.model, prompts.values.to(wrapper.device), prompts.mask.to(wrapper.device),
             max_new_tokens=max(limits), eos_ids=wrapper.eos_ids, pad_id=wrapper.pad_id,
             temperature=wrapper.temperature, top_k=opts.get("top_k"), top_p=opts.get("top_p"),
             do_sample=bool(opts.get("do_sample", True)), generator=opts.get("generator"),
@@ -251,19 +249,19 @@ class MultiTurnRollout(TensorDictModuleBase):
     def _write(self, td: TensorDictBase, episodes: list[_Episode]) -> None:
         device = td.device if td.device is not None else torch.device("cpu")
 
-        def grid(rows: list[list], dtype: torch.dtype, fill) -> torch.Tensor:
-            return pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True,
-                                padding_value=fill).to(device)
+        def grid(rows: list[list], dtype: torch.dtype, fill) -> Padded:
+            padded = pad_rows([torch.tensor(r, dtype=dtype) for r in rows], padding_value=fill)
+            return Padded(padded.values.to(device), padded.mask.to(device))
 
-        ids = grid([e.ids for e in episodes], torch.long, self.policy.pad_id)
-        mask = grid([[True] * len(e.ids) for e in episodes], torch.bool, False)
+        tokens = grid([e.ids for e in episodes], torch.long, self.policy.pad_id)
+        assistant = grid([e.assistant for e in episodes], torch.bool, False).values
+        log_probs = grid([e.log_probs for e in episodes], torch.float32, 0.0).values
+        mask = tokens.mask
         layout = dict(pad_output=self.policy.pad_output, padding_side=self.policy.padding_side)
-        write_ragged(td, ("tokens", "full"), ids, mask, mask_key=("masks", "all_attention_mask"),
+        write_ragged(td, ("tokens", "full"), tokens.values, mask, mask_key=("masks", "all_attention_mask"),
                      pad_value=self.policy.pad_id, **layout)
-        write_ragged(td, ("masks", "all_assistant_mask"), grid([e.assistant for e in episodes], torch.bool, False),
-                     mask, **layout)
-        write_ragged(td, (self.policy.log_probs_key, "full"),
-                     grid([e.log_probs for e in episodes], torch.float32, 0.0), mask, **layout)
+        write_ragged(td, ("masks", "all_assistant_mask"), assistant, mask, **layout)
+        write_ragged(td, (self.policy.log_probs_key, "full"), log_probs, mask, **layout)
         write_objects(td, ("history", "full"), [e.chat for e in episodes])
         write_objects(td, ("text", "response"), [e.answer for e in episodes])
         write_objects(td, ("episode", "end"), [e.end or "max_turns" for e in episodes])

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tether.ops.checks import real_number, whole_number
 from tether.ops.registry import lookup
 from tether.rollout._sandbox import run_guarded
 from tether.rollout.calculator import calculator
@@ -60,11 +61,10 @@ class Tool:
             raise TypeError(
                 f"Tool.parameters of {self.name!r}: expected types among str, int, float, bool, got {bad}."
             )
-        if not self.timeout > 0 or not self.max_output_chars >= 1:
-            raise ValueError(
-                f"Tool {self.name!r}: expected timeout > 0 and max_output_chars >= 1, got "
-                f"{self.timeout!r} and {self.max_output_chars!r}."
-            )
+        real_number(f"Tool.timeout of {self.name!r}", self.timeout, low=0, low_open=True,
+                    fix="Pass the seconds a call may take.")
+        whole_number(f"Tool.max_output_chars of {self.name!r}", self.max_output_chars, low=1,
+                     fix="Pass the longest result, in characters.")
 
 
 @dataclass(frozen=True)
