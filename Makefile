@@ -8,7 +8,7 @@ BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.tether-bench-installed
 
-.PHONY: install train test docs bench clean gpu-wheels
+.PHONY: install train train-tools test docs bench clean gpu-wheels
 
 install: $(STAMP)
 
@@ -37,6 +37,14 @@ train: install
 	# make train re-runs the main job: it replaces the run in runs/train (tether train alone refuses
 	# a directory that holds a run; pass --out DIR to keep several).
 	$(VENV)/bin/tether train --overwrite
+
+# The measured tool run (docs/tools.md): the multi-turn calculator task on the embedded model,
+# with dynamic sampling so that steps whose groups all score alike are drawn again.
+TOOL_RUN_FLAGS := --task arithmetic-tools --steps 8 --prompts-per-step 4 --group-size 8 --temperature 0.7 \
+	--dynamic-sampling --max-resample 2 --max-new-tokens 48 --eval-max-new-tokens 48 --eval-size 50
+
+train-tools: install
+	$(VENV)/bin/tether train $(TOOL_RUN_FLAGS) --out runs/train-tools --overwrite
 
 test: install
 	$(PY) -m pytest -q
