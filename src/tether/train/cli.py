@@ -9,7 +9,7 @@ A user error (bad command line, bad config, a directory holding another run, a d
 checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
 traceback; Ctrl-C during ``train`` prints one line naming the checkpoint to resume from and
 exits with 130 (``tether.train.interrupt``). TRL ``GRPOConfig`` names are accepted as flags
-and keys (see ``trl_names``).
+and keys (see ``tether.train.config.TRL_NAMES``).
 """
 
 from __future__ import annotations

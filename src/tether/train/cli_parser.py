@@ -4,7 +4,7 @@ argparse reports a bad command line with the usage block and exits with status 2
 keeps the status but prints one line, and an unknown ``--flag`` gets the closest known flag
 as a suggestion. ``add_trl_flags`` accepts TRL's ``GRPOConfig`` names as hidden flags
 (``--beta 0.04``, ``--num_generations 8``, a bare ``--bf16``) and ``trl_flag_values`` hands
-them to the config as keys, where ``tether.train.trl_names`` maps or explains each one.
+them to the config as keys, where ``tether.train.config.TRL_NAMES`` maps or explains each one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import difflib
 import re
 from typing import NoReturn
 
-from tether.train.trl_names import TRL_NAMES
+from tether.train.config import TRL_NAMES
 
 _DEST = "trl:"
 
