@@ -17,8 +17,8 @@ import pytest
 
 from tests.train.test_sharded import SRC, _assert_same_run, _flags, _sharded
 from tether.train import recipe_ray
+from tether.train.cli import free_port
 from tether.train.config import TrainConfig
-from tether.train.launch import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 

@@ -362,7 +362,7 @@ def test_a_ctrl_c_inside_a_finaliser_reaches_the_run_with_nothing_printed(capsys
     ``interrupts_reach_the_run`` the KeyboardInterrupt comes back in the main thread instead."""
     import sys
 
-    from tether.train.interrupt import interrupts_reach_the_run
+    from tether.train.cli import interrupts_reach_the_run
 
     hook = sys.unraisablehook
 

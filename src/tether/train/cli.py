@@ -1,33 +1,44 @@
-"""The ``tether`` command line: ``train``, ``eval``, ``export`` and ``plot``.
+"""The ``tether`` command line: ``train``, ``eval``, ``export``, ``plot`` and ``cp``.
 
 ``tether train`` flags are generated from ``TrainConfig``'s fields (``--prompts-per-step 8``
 sets ``prompts_per_step``), and their help is the field documentation. ``--config FILE``
 loads a YAML file first; trailing ``key=value`` words override both. ``--resume RUN`` takes
 RUN's config.yaml, and its flags and overrides may change only what a resume may change.
+TRL ``GRPOConfig`` names are accepted as flags and keys (``tether.train.config.TRL_NAMES``).
 
 A user error (bad command line, bad config, a directory holding another run, a damaged
 checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
-traceback; Ctrl-C during ``train`` prints one line naming the checkpoint to resume from and
-exits with 130 (``tether.train.interrupt``). TRL ``GRPOConfig`` names are accepted as flags
-and keys (see ``tether.train.config.TRL_NAMES``).
+traceback; an unknown ``--flag`` gets the closest known one as a suggestion (``Parser``).
+Ctrl-C during ``train`` loses nothing (checkpoints are written atomically) and prints one line
+naming the newest intact checkpoint and the command that resumes from it, exiting with 130.
+``--nproc N`` runs the command again in N processes under ``torch.distributed.run``
+(``launch``) and returns its exit status.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
+import difflib
 import functools
 import json
 import os
+import re
 import shlex
+import signal
+import socket
+import subprocess
 import sys
+import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NoReturn
 
-from tether.train.cli_parser import Parser, add_trl_flags, trl_flag_values
-from tether.train.config import LIST_FIELDS, TrainConfig
+from tether.train.config import LIST_FIELDS, TRL_NAMES, TrainConfig
 from tether.train.tasks import TASKS, TaskError
 
 # The recipes ``tether cp`` copies: name -> module of tether.train.
@@ -38,6 +49,53 @@ _USER_ERRORS = (ValueError, KeyError, TaskError, OSError)
 SUBCOMMANDS = ("train", "eval", "export", "plot", "cp")
 
 
+# ------------------------------------------------------------------------------ the parser
+# argparse reports a bad command line with the usage block; ``Parser`` keeps its status 2 but prints
+# one line. ``add_trl_flags`` accepts TRL's ``GRPOConfig`` names as hidden flags (``--beta 0.04``,
+# ``--num_generations 8``, a bare ``--bf16``) and ``trl_flag_values`` hands them to the config as keys.
+_DEST = "trl:"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (status 2, as argparse's)."""
+
+    def add_argument(self, *names: str, **kwargs) -> argparse.Action:
+        # Recorded for suggestions (argparse's own __init__ adds --help before any of ours).
+        self.__dict__.setdefault("long_flags", []).extend(n for n in names if n.startswith("--"))
+        return super().add_argument(*names, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            message += self._suggestion(unknown.group(1).split())
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    def _suggestion(self, words: list[str]) -> str:
+        for word in words:
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.split("=")[0], self.long_flags, n=1, cutoff=0.6)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
+
+
+def add_trl_flags(parser: argparse.ArgumentParser, fields: set[str]) -> None:
+    """Hidden ``--name`` / ``--name-with-dashes`` flags for the TRL names that are not tether keys."""
+    for name, entry in TRL_NAMES.items():
+        if name in fields:
+            continue
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        extra = {"nargs": "?", "const": "true"} if entry.switch else {}
+        parser.add_argument(*spellings, dest=_DEST + name, default=None, help=argparse.SUPPRESS, **extra)
+
+
+def trl_flag_values(args: argparse.Namespace) -> dict[str, str]:
+    """The TRL-named flags given on the command line, as ``{trl_name: value}``."""
+    return {dest[len(_DEST):]: value for dest, value in vars(args).items()
+            if dest.startswith(_DEST) and value is not None}
+
+
+# ------------------------------------------------------------------------------ the subcommands
 class _ChoicesHelp(argparse.HelpFormatter):
     """``--help`` shows a choice field's names (``--dtype {float32,bfloat16,...}``), read from its
     registry only when help is printed: the registries import the models, which every other
@@ -122,8 +180,6 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
-    from tether.train.interrupt import interrupts_reach_the_run, report_interruption
-    from tether.train.launch import launch, needs_launch, settle_nproc
     from tether.train.sharding import leave_ranks
 
     cfg = None
@@ -338,6 +394,148 @@ def _warning_format(python_format: Callable[..., str]) -> Callable[..., str]:
         return python_format(message, category, filename, lineno, line)
 
     return format_warning
+
+
+# ------------------------------------------------------------------------------ --nproc N
+# The command runs itself again as ``python -m torch.distributed.run --nproc-per-node N --master-addr
+# 127.0.0.1 --master-port PORT -m tether.train train ...`` with the same arguments; each process then
+# joins the group in ``tether.train.sharding.join_ranks``. Started by torchrun directly (``torchrun
+# --nproc_per_node N -m tether.train ...``), ``nproc`` is taken from the world size and a different
+# ``--nproc`` is refused. The port is a free one on the loopback interface, so runs do not collide.
+LAUNCHED_ENV = "TETHER_LAUNCHED"  # set in the processes ``launch`` starts (``speaks`` reads it)
+
+
+def world_size() -> int:
+    """Processes in the torchrun group this process belongs to (1 when not started by torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def settle_nproc(cfg: TrainConfig, *, given: bool) -> TrainConfig:
+    """``cfg`` with ``nproc`` equal to the torchrun world size when started by torchrun.
+
+    ``given`` says whether ``nproc`` was set (a flag, or a value other than 1 from a config
+    file or the run being resumed); then it must equal the world size.
+    """
+    world = world_size()
+    if world == 1 or cfg.nproc == world:
+        return cfg
+    if given:
+        raise ValueError(f"nproc: {cfg.nproc} learner processes asked for, but torchrun started {world} "
+                         f"(WORLD_SIZE={world}); start torchrun with --nproc_per_node {cfg.nproc}, or drop --nproc.")
+    return cfg.override({"nproc": world})
+
+
+def needs_launch(cfg: TrainConfig) -> bool:
+    """Whether this process has to start the learner's processes itself."""
+    return cfg.nproc > 1 and world_size() == 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_command(argv: list[str], nproc: int, port: int, *, script: str | None = None) -> list[str]:
+    """The command that runs ``tether train`` with ``argv`` in ``nproc`` processes on this machine;
+    with ``script`` (a copied recipe's file) each process runs ``python script argv`` instead.
+
+    ``--nproc`` is left out: torchrun would read it as its own ``--nproc-per-node`` (argparse
+    matches prefixes), and each process takes ``nproc`` from the world size instead.
+    """
+    words, skip = [], False
+    for word in argv:
+        if not skip and word != "--nproc" and not word.startswith("--nproc="):
+            words.append(word)
+        skip = word == "--nproc"
+    target = [script] if script else ["-m", "tether.train", "train"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={port}", *target, *words]
+
+
+def launch(argv: list[str], nproc: int, *, script: str | None = None) -> int:
+    """Run ``tether train argv`` (or ``python script argv``) in ``nproc`` processes; torchrun's exit status."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED_ENV: "1"}
+    return subprocess.run(torchrun_command(argv, nproc, free_port(), script=script), env=env, check=False).returncode
+
+
+# ------------------------------------------------------------------------------ Ctrl-C
+# The newest intact checkpoint is where a resume starts, as after a kill. Of a sharded run one
+# process speaks: the launcher ``--nproc`` starts (its ranks stay silent), or rank 0 under a
+# torchrun the user started. 130 is the shell's status for a process ended by SIGINT.
+INTERRUPTED = 130  # 128 + SIGINT
+
+
+def speaks() -> bool:
+    """Whether this process reports the interruption (one line for the whole run)."""
+    rank = os.environ.get("RANK")
+    return rank is None or (rank == "0" and LAUNCHED_ENV not in os.environ)
+
+
+def resume_command(run_dir: Path, *, copied: bool) -> str:
+    """The command that continues ``run_dir``: ``tether train --resume RUN`` as this program was
+    started (``.venv/bin/tether`` stays so), or ``python COPY --resume RUN`` for a copied recipe."""
+    program = sys.argv[0] if sys.argv and sys.argv[0] else "tether"
+    if copied:
+        start = f"python {shlex.quote(program)}"
+    else:
+        start = f"{shlex.quote(program) if Path(program).name == 'tether' else 'tether'} train"
+    return f"{start} --resume {shlex.quote(str(run_dir))}"
+
+
+def interruption_line(cfg: TrainConfig | None, *, copied: bool) -> str:
+    """The one line for a run stopped by Ctrl-C: its newest intact checkpoint and how to go on."""
+    if cfg is None:
+        return "tether train: interrupted before the run started; nothing was written."
+    from tether.train.checkpoint import CheckpointError, newest_intact, read_state
+
+    run_dir = Path(cfg.out)
+    try:
+        path, _ = newest_intact(run_dir)
+        step = int(read_state(path)["step"])
+    except CheckpointError:
+        again = " with --overwrite" if run_dir.is_dir() and any(run_dir.iterdir()) else ""
+        return (f"tether train: interrupted before the first checkpoint of {run_dir}: no checkpoint exists yet, so "
+                f"there is nothing to resume; run the same command again{again} to start over.")
+    return (f"tether train: interrupted; the newest intact checkpoint is {path} (step {step} of {cfg.steps}); "
+            f"continue with: {resume_command(run_dir, copied=copied)}")
+
+
+def report_interruption(cfg: TrainConfig | None, exc: KeyboardInterrupt, *, copied: bool) -> int:
+    """Print ``interruption_line`` (from the one process that speaks) and return 130."""
+    # Free the interrupted frames first: a progress bar they hold then ends its line before ours.
+    traceback.clear_frames(exc.__traceback__)
+    try:  # a second Ctrl-C while the checkpoints are verified would print a traceback after all
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals cannot be set here
+        previous = None
+    try:
+        if speaks():
+            print(interruption_line(cfg, copied=copied), file=sys.stderr, flush=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return INTERRUPTED
+
+
+@contextlib.contextmanager
+def interrupts_reach_the_run() -> Iterator[None]:
+    """Within: a KeyboardInterrupt raised in a finaliser, which Python reports as unraisable and
+    drops, is raised again in the main thread instead, with nothing printed."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            # From another thread: raised here, inside the hook, Python would drop it again.
+            _thread.start_new_thread(_thread.interrupt_main, ())  # no wait for it to start
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 if __name__ == "__main__":
