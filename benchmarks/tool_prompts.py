@@ -20,8 +20,7 @@ import torch
 from tether.llm import chat_batch
 from tether.models import TransformersWrapper, load_default_model
 from tether.rollout import MultiTurnRollout, episode_metrics
-from tether.train.tasks import last_integer
-from tether.train.tool_task import EXAMPLE, PHRASINGS, SYSTEM_PROMPT
+from tether.train.tasks import EXAMPLE, PHRASINGS, SYSTEM_PROMPT, last_integer
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 # A worked episode of another shape (a sum) than the products asked.

@@ -18,10 +18,8 @@ from tether.rollout import MultiTurnRollout
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, train, train_step
-from tether.train.tasks import TASKS, load_task
-from tether.train.tool_rollout import check_tool_task, with_episode_limits
-from tether.train.tasks import Problem, ToolUse
-from tether.train.tool_task import EXAMPLE, PHRASINGS, SYSTEM_PROMPT
+from tether.train.tasks import (EXAMPLE, PHRASINGS, SYSTEM_PROMPT, TASKS, Problem, ToolUse, check_tool_task, load_task,
+                                with_episode_limits)
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 

@@ -105,7 +105,7 @@ class TrainConfig:
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
-    # --- data and rewards (tether.train.data, tether.train.rewards)
+    # --- data and rewards (tether.train.tasks, tether.train.rewards)
     dataset: str = _f("", "Prompts from a .jsonl/.csv/.parquet file or a save_to_disk directory, read offline with `datasets`, instead of --task.")
     prompt_column: str = _f("prompt", "Dataset column holding each prompt: chat messages or plain text; the other columns reach the reward functions.")
     prompt_format: str = _f("chat", "'chat' renders prompts with the chat template (text becomes one user turn); 'text' feeds plain text as is (base models).")
@@ -259,7 +259,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
-    from tether.train.data import PROMPT_FORMATS
+    from tether.train.tasks import PROMPT_FORMATS
     from tether.train.devices import DEVICES, DTYPES
     from tether.train.kl_signal import KL_SIGNALS
     from tether.train.schedule import LR_SCHEDULES
@@ -285,7 +285,7 @@ def _unknown_key(key: str, known: Collection[str]) -> str:
 
 
 def _data_problems(cfg: TrainConfig) -> list[str]:
-    from tether.train.data import config_problems
+    from tether.train.tasks import config_problems
 
     return config_problems(cfg)
 

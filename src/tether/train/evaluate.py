@@ -8,7 +8,7 @@ answers are not samples of pi, so a log-ratio estimate along them would not esti
 while the exact per-position KL is well defined on any sequence.
 
 A task with ``tool_use`` is evaluated on greedy multi-turn episodes
-(``tether.train.tool_rollout``); the KL then covers every assistant message, and the tool
+(``tether.train.tasks.make_tool_rollout``); the KL then covers every assistant message, and the tool
 statistics of all episodes go to ``EvalResult.tools``.
 """
 
@@ -23,9 +23,8 @@ from torch import nn
 from tether.models import TransformersWrapper
 from tether.models.score_plan import row_slices
 from tether.models.scoring import exact_kl_tokens
-from tether.train.data import prompt_batch
 from tether.train.rewards import TaskScorer, samples_from_batch
-from tether.train.tasks import Problem, Task
+from tether.train.tasks import Problem, Task, episode_stats, make_tool_rollout, prompt_batch, tool_metrics
 
 _EVAL_BATCH = 64
 
@@ -61,8 +60,6 @@ def evaluate(
 ) -> EvalResult:
     """Greedy accuracy and reward on ``problems`` (``scorer``: the task's reward when None) and
     (optionally) the exact KL along the answers."""
-    from tether.train.tool_rollout import episode_stats, make_tool_rollout, tool_metrics
-
     wrapper = TransformersWrapper(
         policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
         temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},

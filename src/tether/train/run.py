@@ -18,15 +18,13 @@ from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.reference_line import ReferenceLine
 from tether.train.best import BestEval
 from tether.train.config import TrainConfig
-from tether.train.data import check_prompt_format, dataset_task
 from tether.train.metrics import MetricsLog
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
 from tether.train.run_dir import check_new_run_dir
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import Models, build_models, reference_scorer
 from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
-from tether.train.tasks import Problem, load_task
-from tether.train.tool_rollout import check_tool_task, with_episode_limits
+from tether.train.tasks import Problem, check_prompt_format, check_tool_task, dataset_task, load_task, with_episode_limits
 from tether.train.tracking import NullTracker
 
 
@@ -44,7 +42,7 @@ class Run:
 
     cfg: TrainConfig
     dir: Path
-    task: Any  # a tether.train.tasks.Task, or a tether.train.data.DatasetTask with --dataset
+    task: Any  # a tether.train.tasks.Task, or a tether.train.tasks.DatasetTask with --dataset
     held_out: list[Problem]
     models: Models
     sampler: TransformersWrapper

@@ -19,7 +19,7 @@ import torch
 
 from tether.train.best import best_root, periodic_eval
 from tether.train.checkpoint import save_checkpoint
-from tether.train.data import check_data
+from tether.train.tasks import check_data
 from tether.train.devices import load_generator_state
 from tether.train.metrics import plot_metrics
 from tether.train.run import Run

@@ -7,7 +7,7 @@ from typing import Any
 from tether.train.evaluate import evaluate
 from tether.train.rewards import RewardError, with_checkpoints
 from tether.train.run import Run
-from tether.train.tool_rollout import tool_summary
+from tether.train.tasks import tool_summary
 
 
 def evaluate_run(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:

@@ -1,27 +1,40 @@
-"""Tasks for ``tether train``: seeded problem streams with verifiable rewards.
+"""Where a run's prompts come from: tasks, the multi-turn tool task, and dataset files.
 
 A ``Task`` is a record of plain callables; a user task is a Python file defining
 ``TASK = Task(...)`` (or ``make_task()``), passed as ``--task path/to/file.py``. Problem ``i``
 is a pure function of ``(seed, i)``, so the data cursor is one integer and resume is exact; the
-held-out set comes from its own seed and is removed from the training stream.
+held-out set comes from its own seed and is removed from the training stream. A callable
+returning the wrong type raises ``TaskError`` naming the task, the callable and its file.
 
 The default ``arithmetic`` asks sums and differences of integers from 1 to 20. Reward: 1.0 when
 the response's last integer is the answer, plus 0.1 when the response ends within 40 characters
-of it. A task with ``tool_use`` runs multi-turn rollouts (``arithmetic-tools``, in
-``tether.train.tool_task``). A callable returning the wrong type raises ``TaskError`` naming
-the task, the callable and its file.
+of it. A task with ``tool_use`` runs multi-turn episodes (``tool_rollout`` in a step,
+``make_tool_rollout`` in evaluation); ``arithmetic-tools`` is the shipped one. ``--dataset
+PATH`` makes a ``DatasetTask`` of a file's rows, read offline with the ``datasets`` library:
+every row once per epoch, each epoch in an order seeded by ``(seed, epoch)``, and the held-out
+rows kept apart (``docs/data.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import importlib.util
+import json
 import random
 import re
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # imported where used: a task file and the command line import this module without the models
+    from tether.models import TransformersWrapper
+    from tether.rollout import MultiTurnRollout
 
 Chat = list[dict[str, str]]
 
@@ -163,13 +176,67 @@ def arithmetic() -> Task:
     )
 
 
-def _arithmetic_tools() -> Task:
-    from tether.train.tool_task import arithmetic_tools  # it builds on this module
+# ------------------------------------------------------------------------------ arithmetic-tools
+# Multi-digit products (``a`` in [100, 999], ``b`` in [10, 99]) that a 135M model gets wrong unless it
+# calls the calculator, in one of ``PHRASINGS``. The system prompt describes the ``calculator`` tool and
+# the ``<tool_call>`` format (``tether.rollout.tool_calls``), and one worked episode for a bare "What is
+# a * b?" precedes the question. Reward: 1.0 when the last integer of the last assistant message is the
+# product, else 0 (no format bonus: the tool is only worth calling because it gets the number right);
+# the held-out score is the same check. An episode holds at most 3 assistant messages and 512 tokens
+# (``--max-turns``, ``--max-episode-tokens``). Why this mix, as measured on SmolLM2-135M-Instruct: the
+# worked example alone with its own phrasing is copied (14 of 16 right greedily, nothing left to learn),
+# no example gets no product right (no signal); the example and varied phrasings leave room between.
+SYSTEM_PROMPT = (
+    "You are a careful assistant with a calculator. To compute, reply with only a tool call:\n"
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
+    "The result comes back in a tool message. Then reply with the final answer as a number."
+)
 
-    return arithmetic_tools()
+
+# One worked episode before the question: a 135M model copies a demonstration far more
+# readily than it follows an instruction. It is prompt, never trained on.
+EXAMPLE = [
+    {"role": "user", "content": "What is 512 * 37?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "512 * 37"}}</tool_call>'},
+    {"role": "tool", "content": "18944"},
+    {"role": "assistant", "content": "18944"},
+]
+
+# Only the first is the example's shape; the others make the model map words to an expression.
+PHRASINGS = (
+    "What is {a} * {b}?",
+    "Multiply {a} by {b}.",
+    "What is the product of {a} and {b}?",
+    "A box holds {b} rows of {a} beads. How many beads are in the box?",
+    "Compute {a} times {b}.",
+)
 
 
-TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic, "arithmetic-tools": _arithmetic_tools}
+def _product_problem(rng: random.Random) -> Problem:
+    a, b = rng.randint(100, 999), rng.randint(10, 99)
+    question = rng.choice(PHRASINGS).format(a=a, b=b)
+    chat = [{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE, {"role": "user", "content": question}]
+    return Problem(chat=chat, answer=str(a * b), key=f"{a}*{b}", columns={"answer": str(a * b)})
+
+
+def _reward(response: str, problem: Problem) -> float:
+    return 1.0 if last_integer_correct(response, problem) else 0.0
+
+
+def arithmetic_tools() -> Task:
+    return Task(
+        name="arithmetic-tools",
+        make_problem=_product_problem,
+        reward=_reward,
+        is_correct=last_integer_correct,
+        info={"reward": "1 if the last integer of the final answer is the product a * b, else 0",
+              "tools": "calculator"},
+        tool_use=ToolUse(tools=("calculator",), max_turns=3, max_tokens=512),
+    )
+
+
+# ------------------------------------------------------------------------------ the registry and task files
+TASKS: dict[str, Callable[[], Task]] = {"arithmetic": arithmetic, "arithmetic-tools": arithmetic_tools}
 
 
 def load_user_module(path: Path, argument: str) -> Any:
@@ -202,3 +269,330 @@ def load_task(name_or_path: str) -> Task:
             f"make_task() returning one, got {type(task).__name__}."
         )
     return task
+
+
+# ------------------------------------------------------------------------------ tool episodes
+# The recipe calls four things from here and is otherwise unchanged: ``with_episode_limits`` puts the
+# run's ``max_turns`` / ``max_episode_tokens`` into the task's ``ToolUse`` at start-up, ``tool_rollout``
+# replaces the single-turn sampling of a step (the batch carries the same keys, with the assistant mask
+# covering every assistant message and the log-probs recorded at sampling), ``tool_metrics`` adds the
+# step's tool statistics to its metrics line, and ``check_tool_task`` refuses set-ups that cannot run
+# them yet. Evaluation runs the same rollout with greedy decoding through ``make_tool_rollout``.
+def make_tool_rollout(task: Task, sampler: TransformersWrapper) -> MultiTurnRollout | None:
+    """The task's multi-turn rollout over ``sampler``, or None for a single-turn task."""
+    from tether.rollout import MultiTurnRollout
+
+    use = task.tool_use
+    if use is None:
+        return None
+    return MultiTurnRollout(sampler, list(use.tools), max_turns=use.max_turns, max_tokens=use.max_tokens)
+
+
+def check_tool_task(task: Task, workers: int) -> None:
+    """Refuse Ray rollout workers for a tool task: they sample single-turn answers only."""
+    if task.tool_use is not None and workers > 0:
+        raise ValueError(
+            f"workers={workers}: task {task.name!r} needs multi-turn rollouts with tools, which run "
+            "in-process only; use workers=0."
+        )
+
+
+def with_episode_limits(task: Task, cfg: Any, tokenizer: Any) -> Task:
+    """``task`` with ``cfg.max_turns`` / ``cfg.max_episode_tokens`` in its ``ToolUse`` (0 keeps the task's).
+
+    Checked at start-up: the limits are refused for a single-turn task (they would do nothing),
+    and the token budget must leave room to answer every held-out prompt (``cfg.eval_size``).
+    """
+    from tether.models.chat import render_chat_ids
+
+    given = {k: v for k, v in (("max_turns", cfg.max_turns), ("max_tokens", cfg.max_episode_tokens)) if v}
+    if task.tool_use is None:
+        if given:
+            raise ValueError(
+                f"max_turns={cfg.max_turns}, max_episode_tokens={cfg.max_episode_tokens}: task {task.name!r} is "
+                "single-turn, so episode limits would do nothing; set both to 0 or use a tool task "
+                "(--task arithmetic-tools)."
+            )
+        return task
+    use = dataclasses.replace(task.tool_use, **given)
+    if use.max_tokens is not None:
+        held_out = task.eval_set(cfg.eval_size)
+        lengths = [len(render_chat_ids(tokenizer, p.chat, add_generation_prompt=True)) for p in held_out]
+        longest, index = max(zip(lengths, range(len(lengths))), default=(0, -1))
+        if longest >= use.max_tokens:
+            raise ValueError(
+                f"max_episode_tokens: a budget of {use.max_tokens} tokens leaves no room to answer held-out "
+                f"problem {index}, whose prompt renders to {longest} tokens; raise it well above {longest} "
+                "(or set 0 to keep the task's own)."
+            )
+    return dataclasses.replace(task, tool_use=use)
+
+
+def tool_rollout(run: Any, problems: list[Problem]):
+    """Sample one episode per problem (already repeated ``group_size`` times) with the run's sampler."""
+    from tether.llm import chat_batch
+
+    rollout = make_tool_rollout(run.task, run.sampler)
+    batch = chat_batch([p.chat for p in problems], key=("history", "prompt"))
+    with torch.no_grad():
+        rollout(batch)
+    return batch
+
+
+def tool_metrics(batch) -> dict[str, float]:
+    """``tool_call_rate``, ``tool_calls_per_episode``, ``tool_error_rate``, ``turns_per_episode``
+    of a multi-turn batch; nothing for a single-turn one."""
+    from tether.rollout import episode_metrics
+
+    if ("episode", "turns") not in batch.keys(include_nested=True):
+        return {}
+    return episode_metrics(batch["episode"])
+
+
+def episode_stats(batch):
+    """The ``("episode", ...)`` counters of a multi-turn batch (``torch.cat`` them across chunks)."""
+    return batch.select(*[("episode", key) for key in ("turns", "tool_calls", "tool_errors")])
+
+
+def tool_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Held-out tool statistics before and after training, for the run summary."""
+    out = {}
+    for name, result in (("before", before), ("after", after)):
+        for key, value in (result.get("tools") or {}).items():
+            out[f"eval_{key}_{name}"] = value
+    return out
+
+
+# ------------------------------------------------------------------------------ datasets
+# Files are read with the ``datasets`` library, offline: ``.jsonl``/``.json``, ``.csv``, ``.parquet``, or a
+# directory written by ``Dataset.save_to_disk`` (a saved ``DatasetDict`` with one split, or one split's own
+# sub-directory). ``--prompt-column`` holds either chat messages (a list of ``{"role", "content"}``) or
+# plain text; every other column is kept with the row and reaches the reward functions. ``--prompt-format
+# chat`` renders prompts with the tokenizer's chat template (a plain-text prompt becomes one user turn);
+# ``text`` feeds the text to the tokenizer as it is, for base models without a chat template.
+# Training prompt ``i`` is row ``order_e[i mod N]`` of the ``N`` training rows, where ``e = i div N`` is
+# the epoch and ``order_e`` a shuffle seeded by ``(seed, e)``. The held-out rows are all of
+# ``--eval-dataset``, or ``round(FRACTION x rows)`` rows taken out by ``--eval-split`` with a shuffle
+# that depends on the rows only (not on ``--seed``): runs with different seeds are scored on the same
+# rows and never train on them.
+
+# How a prompt reaches the model (the prompt_format config choice).
+PROMPT_FORMATS: dict[str, str] = {
+    "chat": "rendered with the tokenizer's chat template (plain text becomes one user turn)",
+    "text": "encoded as it is, for base models without a chat template",
+}
+_READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv", ".parquet": "from_parquet"}
+_SPLIT_SEED = "tether-eval-split"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class DatasetTask:
+    """Training rows drawn by seeded epochs, and held-out rows kept apart (see the module doc)."""
+
+    name: str
+    train: tuple[Problem, ...]
+    held_out: tuple[Problem, ...]
+    fingerprint: str  # sha256 of the rows as read, so a resume can refuse changed data
+    info: dict[str, Any] = field(default_factory=dict)
+    tool_use: None = None  # dataset prompts are single-turn (see tether.train.tasks.Task.tool_use)
+
+    def train_problem(self, seed: int, index: int, exclude: Any = ()) -> Problem:
+        """Training prompt ``index`` for ``seed``; held-out rows are apart already, so ``exclude`` is unused."""
+        epoch, position = divmod(index, len(self.train))
+        return self.train[_epoch_order(seed, epoch, len(self.train))[position]]
+
+    def eval_set(self, n: int) -> list[Problem]:
+        """The first ``n`` held-out rows (all of them if fewer)."""
+        return list(self.held_out[:n])
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(f"data-{seed}-{epoch}").shuffle(order)
+    return tuple(order)
+
+
+def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
+    """The rows of a JSONL/CSV/Parquet file or a saved dataset directory, as dicts."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    source = Path(path)
+    if not source.exists() and _looks_like_hub_id(path):
+        raise ValueError(
+            f"{argument}: {path} is no local file or directory, and Hugging Face Hub dataset ids are not read: "
+            "tether reads datasets only from local files and directories (it reads models, not datasets, from "
+            "the local Hugging Face cache). Save it once where there is network, e.g. python -c \"import datasets; "
+            f"datasets.load_dataset('{path}', split='train').to_json('{Path(path).name}.jsonl')\" (add the config "
+            f"name if it has several), then pass --{argument.replace('_', '-')} {Path(path).name}.jsonl."
+        )
+    if not source.exists():
+        raise ValueError(f"{argument}: {path} does not exist; give a .jsonl, .csv or .parquet file or a "
+                         "directory written by Dataset.save_to_disk.")
+    if source.is_dir():
+        loaded = _load_saved(source, argument)
+    else:
+        reader = _READERS.get(source.suffix.lower())
+        if reader is None:
+            raise ValueError(f"{argument}: {path} has the suffix {source.suffix!r}, expected one of "
+                             f"{sorted(_READERS)} or a saved dataset directory; convert the file or rename it.")
+        if source.stat().st_size == 0:  # datasets raises a bare StopIteration on an empty file
+            raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
+        try:
+            loaded = getattr(datasets.Dataset, reader)(str(source), keep_in_memory=True)
+        except Exception as exc:  # datasets wraps parse errors in its own types; the cause names the fault
+            cause = exc.__cause__ or exc
+            raise ValueError(f"{argument}: cannot read {path} as {source.suffix} ({type(cause).__name__}: "
+                             f"{cause}); fix the file.") from exc
+    rows = loaded.to_list()
+    if not rows:
+        raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
+    return rows
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """``owner/name`` with no file suffix tether reads: a Hub dataset id rather than a mistyped path."""
+    return bool(_HUB_ID.fullmatch(path)) and Path(path).suffix.lower() not in _READERS
+
+
+def _load_saved(source: Path, argument: str):
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(source), keep_in_memory=True)
+    except Exception as exc:
+        raise ValueError(f"{argument}: {source} is a directory but not one written by save_to_disk ({exc}); "
+                         "give a dataset file or a saved dataset directory.") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if len(loaded) != 1:
+            raise ValueError(f"{argument}: {source} holds the splits {sorted(loaded)}; give one split's "
+                             f"directory, e.g. {source / sorted(loaded)[0]}.")
+        loaded = next(iter(loaded.values()))
+    return loaded
+
+
+def rows_to_problems(rows: list[dict[str, Any]], prompt_column: str, prompt_format: str,
+                     source: str) -> list[Problem]:
+    """One ``Problem`` per row: the prompt from ``prompt_column``, the other columns kept."""
+    if prompt_column not in rows[0]:
+        raise KeyError(f"prompt_column: {source} has no column {prompt_column!r} (its columns: "
+                       f"{sorted(rows[0])}); pass --prompt-column with one of them.")
+    from tether.models.chat import validate_chats
+
+    problems = []
+    for i, row in enumerate(rows):
+        prompt = row[prompt_column]
+        columns = {k: v for k, v in row.items() if k != prompt_column}
+        where = f"{source} row {i}, column {prompt_column!r}"
+        if isinstance(prompt, str):
+            chat = [{"role": "user", "content": prompt}]
+            problems.append(Problem(chat=chat, answer="", key=f"{source}#{i}", columns=columns,
+                                    text=prompt if prompt_format == "text" else None))
+        elif isinstance(prompt, list):
+            if prompt_format == "text":
+                raise ValueError(f"prompt_format: {where} holds chat messages, but --prompt-format text takes "
+                                 "plain-text prompts; pass --prompt-format chat.")
+            chat = validate_chats([prompt], name=where)[0]
+            problems.append(Problem(chat=chat, answer="", key=f"{source}#{i}", columns=columns))
+        else:
+            raise TypeError(f"prompt_column: {where} is {type(prompt).__name__} {prompt!r}, expected a string "
+                            "or a list of {'role', 'content'} messages; fix the row or choose another column.")
+    return problems
+
+
+def split_rows(problems: list[Problem], fraction: float) -> tuple[list[Problem], list[Problem]]:
+    """``(train, held_out)``: ``round(fraction x N)`` rows held out by a shuffle seeded by the rows."""
+    n_eval = round(fraction * len(problems))
+    if n_eval < 1 or n_eval >= len(problems):
+        raise ValueError(f"eval_split: {fraction} of {len(problems)} rows holds out {n_eval} rows, which "
+                         f"leaves {len(problems) - n_eval} to train on; both must be at least 1. Choose a "
+                         "fraction between those bounds or pass --eval-dataset.")
+    order = list(range(len(problems)))
+    random.Random(_SPLIT_SEED).shuffle(order)
+    held = set(order[:n_eval])
+    return ([p for i, p in enumerate(problems) if i not in held],
+            [problems[i] for i in order[:n_eval]])
+
+
+def _fingerprint(*row_lists: list[dict[str, Any]]) -> str:
+    text = json.dumps(row_lists, sort_keys=True, default=repr).encode()
+    return hashlib.sha256(text).hexdigest()
+
+
+def dataset_task(cfg: Any) -> DatasetTask:
+    """The ``DatasetTask`` of ``cfg.dataset`` with its held-out rows (``eval_dataset`` or ``eval_split``)."""
+    rows = read_rows(cfg.dataset, "dataset")
+    problems = rows_to_problems(rows, cfg.prompt_column, cfg.prompt_format, Path(cfg.dataset).name)
+    eval_rows: list[dict[str, Any]] = []
+    if cfg.eval_dataset:
+        eval_rows = read_rows(cfg.eval_dataset, "eval_dataset")
+        train, held_out = problems, rows_to_problems(eval_rows, cfg.prompt_column, cfg.prompt_format,
+                                                     Path(cfg.eval_dataset).name)
+    elif cfg.eval_split:
+        train, held_out = split_rows(problems, cfg.eval_split)
+    else:
+        train, held_out = problems, []
+    info = {"rows": len(rows), "train_rows": len(train), "held_out_rows": len(held_out)}
+    return DatasetTask(name=Path(cfg.dataset).name, train=tuple(train), held_out=tuple(held_out),
+                       fingerprint=_fingerprint(rows, eval_rows, [cfg.eval_split]), info=info)
+
+
+def config_problems(cfg: Any) -> list[str]:
+    """What ``TrainConfig.validate`` reports about the data and reward keys."""
+    p = []
+    if not 0 <= cfg.eval_split < 1:
+        p.append(f"eval_split: expected a fraction in [0, 1), got {cfg.eval_split}")
+    if cfg.eval_split and cfg.eval_dataset:
+        p.append("eval_split and eval_dataset: give one source of held-out rows, not both")
+    if not cfg.dataset:
+        for name in ("eval_dataset", "eval_split"):
+            if getattr(cfg, name):
+                p.append(f"{name}: holds out rows of --dataset, but no dataset is given; pass --dataset PATH")
+        if cfg.prompt_format == "text":
+            p.append("prompt_format: 'text' applies to --dataset prompts (the tasks write chats); pass --dataset PATH")
+    else:
+        if cfg.task != "arithmetic":
+            p.append(f"task and dataset: give one source of prompts, got task={cfg.task!r} and dataset={cfg.dataset!r}")
+        if not (cfg.reward_funcs or cfg.reward_model):
+            p.append("dataset: a dataset run needs a reward; pass --reward-funcs FILE.py and/or --reward-model DIR")
+    if cfg.reward_funcs and not (cfg.reward_funcs.endswith(".py") and Path(cfg.reward_funcs).is_file()):
+        p.append(f"reward_funcs: expected an existing .py file, got {cfg.reward_funcs!r}")
+    if cfg.reward_model and not Path(cfg.reward_model).is_dir():
+        p.append(f"reward_model: expected a local model directory, got {cfg.reward_model!r} (nothing is downloaded)")
+    if cfg.reward_weights and not (cfg.reward_funcs or cfg.reward_model):
+        p.append("reward_weights: weigh --reward-funcs / --reward-model, but neither is given")
+    if cfg.workers and cfg.prompt_format == "text":
+        p.append("prompt_format: 'text' is not supported with workers > 0 (the Ray workers sample chats); use workers=0")
+    return p
+
+
+def check_data(state: dict[str, Any], task: Any, checkpoint: Path) -> None:
+    """Refuse to resume from a checkpoint trained on other rows than the dataset reads now."""
+    recorded, now = state.get("data"), getattr(task, "fingerprint", None)
+    if recorded != now:
+        raise ValueError(f"dataset: {checkpoint} was trained on data with fingerprint {str(recorded)[:12]}, but "
+                         f"the dataset files now read as {str(now)[:12]}; restore the files the run was started "
+                         "with, or start a new run.")
+
+
+def check_prompt_format(prompt_format: str, tokenizer: Any, model: str) -> None:
+    """Refuse ``chat`` prompts for a tokenizer without a chat template, before anything runs."""
+    if prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"prompt_format: 'chat' renders prompts with the tokenizer's chat template, but model "
+                         f"{model!r} has none; pass --prompt-format text with a plain-text --prompt-column.")
+
+
+def prompt_batch(problems: list[Problem], prompt_format: str):
+    """The sampler's input: ``("history", "prompt")`` chats or ``("text", "prompt")`` strings."""
+    from tensordict import TensorDict
+
+    from tether.llm import chat_batch
+    from tether.models.batch_io import write_objects
+
+    if prompt_format == "chat":
+        return chat_batch([p.chat for p in problems], key=("history", "prompt"))
+    td = TensorDict(batch_size=[len(problems)])
+    write_objects(td, ("text", "prompt"), [p.text for p in problems])
+    return td
