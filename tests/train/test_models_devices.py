@@ -14,7 +14,7 @@ import torch
 
 from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
-from tether.train.devices import resolve_device
+from tether.train.sharding import resolve_device
 from tether.train.model_source import load_base
 from tether.train import recipe
 from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample, score_rewards,
@@ -254,7 +254,7 @@ def test_a_step_on_cuda_equals_the_cpu_step(tmp_path, dtype):
 
 def test_a_sampling_state_from_another_device_kind_is_a_named_error():
     """A CUDA generator's state is 16 bytes (seed and offset); a CPU generator's is 5056."""
-    from tether.train.devices import load_generator_state
+    from tether.train.sharding import load_generator_state
 
     with pytest.raises(ValueError, match=r"ckpt-7: its sampling RNG state \(16 bytes\) was not written by a cpu"):
         load_generator_state(torch.Generator(), torch.zeros(16, dtype=torch.uint8), "ckpt-7")

@@ -5,7 +5,7 @@ With LoRA the reference is the policy with its adapter disabled (no second copy 
 weights) unless the reference has to move (``sync``), which needs its own frozen copy of the
 adapted model; full fine-tuning, and a run continuing a saved adapter (``cfg.adapter``), always
 take a ``frozen_copy``. Where the base comes from, and the adapter, is ``model_source``'s job;
-``cfg.dtype`` and ``cfg.device`` resolve through the ``devices`` registries.
+``cfg.dtype`` and ``cfg.device`` resolve through the ``sharding`` registries.
 
 ``Models.fingerprint`` identifies the base weights and tokenizer as loaded, before any
 adapter or update, so a checkpoint can refuse to be loaded onto another base of the same
@@ -29,8 +29,8 @@ from torch import nn
 from tether._compat import enable_gradient_checkpointing
 from tether.models import TransformersWrapper, adapter_disabled, frozen_copy
 from tether.train.config import TrainConfig
-from tether.train.devices import resolve_device, resolve_dtype
 from tether.train.model_source import adapter_digest, load_adapter, load_base
+from tether.train.sharding import resolve_device, resolve_dtype
 
 
 class AdapterNote(UserWarning):
