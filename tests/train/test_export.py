@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from tests.train.test_recipe import tiny_cfg
 from tether.models import TransformersWrapper
+from tether.train.checkpoint import read_run_config
 from tether.train.cli import main
 from tether.train.export import export_run
 from tether.train.recipe import train
-from tether.train.run_dir import read_run_config
 from tether.train.setup import build_models, load_base
 
 CHAT = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
@@ -125,9 +125,8 @@ def test_export_of_the_embedded_gguf_model_is_a_plain_hf_directory(tmp_path):
     merged model and its adapter agree to ~3e-5 there whatever the export does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tether.train.checkpoint import save_checkpoint
+    from tether.train.checkpoint import checkpoint_record, save_checkpoint, start_new_run
     from tether.train.config import TrainConfig
-    from tether.train.run_dir import checkpoint_record, start_new_run
 
     run, out = tmp_path / "run", tmp_path / "out"
     cfg = TrainConfig(model="default", out=str(run), lora_rank=2, lora_targets="q_proj,v_proj")

@@ -265,7 +265,7 @@ def test_a_sampling_state_from_another_device_kind_is_a_named_error():
 
 
 def test_a_resume_refuses_an_adapter_that_changed_since_the_run_started(tmp_path):
-    from tether.train.run_dir import CheckpointError
+    from tether.train.checkpoint import CheckpointError
 
     adapter_dir = tmp_path / "adapter"
     _save_adapter(adapter_dir)
@@ -300,7 +300,7 @@ def test_eval_refuses_a_pickled_model_in_one_line_without_reading_it(tmp_path, c
 
     from tests.train.test_run_dir import one_error_line
     from tether.train.cli import main
-    from tether.train.run_dir import start_new_run
+    from tether.train.checkpoint import start_new_run
 
     model, tokenizer = _tiny_base()
     directory = tmp_path / "model"

@@ -147,7 +147,7 @@ def _parse_overrides(words: list[str]) -> dict[str, str]:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    from tether.train.run_dir import check_resume_overrides, read_run_config
+    from tether.train.checkpoint import check_resume_overrides, read_run_config
 
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     flags.update({name: ",".join(flags[name]) for name in LIST_FIELDS if name in flags})
@@ -275,10 +275,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tether.train.best import best_root
+    from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
     from tether.train.evaluate import evaluate
     from tether.train.run import build_run
-    from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
 
     if args.run:
         cfg = read_run_config(Path(args.run))

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from tether.train.best import best_root
-from tether.train.run_dir import RESUMABLE_KEYS, open_checkpoint, read_run_config
+from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
 from tether.train.setup import build_models
 
 EXPORT_RECORD = "tether_export.json"

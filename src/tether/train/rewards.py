@@ -44,7 +44,7 @@ class RewardError(ValueError):
 
 def with_checkpoints(exc: RewardError, run_dir: Path) -> RewardError:
     """``exc`` followed by what ``run_dir`` holds to resume from."""
-    from tether.train.run_dir import describe_checkpoints  # run_dir's imports lead back to this module
+    from tether.train.checkpoint import describe_checkpoints  # checkpoint's imports lead back to this module
 
     return RewardError(f"{exc} {describe_checkpoints(run_dir)}")
 

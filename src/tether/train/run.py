@@ -16,11 +16,10 @@ from tether.control import KLController, make_kl_controller
 from tether.ops.registry import lookup
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.reference_line import ReferenceLine
-from tether.train.best import BestEval
+from tether.train.checkpoint import BestEval, check_new_run_dir
 from tether.train.config import TrainConfig
 from tether.train.metrics import MetricsLog
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
-from tether.train.run_dir import check_new_run_dir
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import Models, build_models, reference_scorer
 from tether.train.sharding import Ranks, join_ranks, shard_models, share_run

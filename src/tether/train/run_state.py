@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from tether.train.best import best_root, periodic_eval
-from tether.train.checkpoint import save_checkpoint
+from tether.train.checkpoint import (best_root, checkpoint_record, open_checkpoint, periodic_eval, save_checkpoint,
+                                     start_new_run, write_config)
 from tether.train.tasks import check_data
 from tether.train.metrics import plot_metrics
 from tether.train.run import Run
-from tether.train.run_dir import checkpoint_record, open_checkpoint, start_new_run, write_config
 from tether.train.sharding import load_generator_state
 from tether.train.summary import evaluate_run, summarize
 from tether.train.tracking import CompletionLog, make_tracker

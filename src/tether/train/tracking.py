@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tether.ops.registry import lookup
-from tether.train.best import due
+from tether.train.checkpoint import due
 
 COMPLETIONS_FILE = "completions.jsonl"
 TENSORBOARD_DIR = "tensorboard"

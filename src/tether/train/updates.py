@@ -24,7 +24,7 @@ import torch
 
 from tether.models.score_plan import row_slices
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
-from tether.train.run_dir import describe_checkpoints
+from tether.train.checkpoint import describe_checkpoints
 
 
 @dataclass
