@@ -10,9 +10,8 @@ import pytest
 
 from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
-from tether.train.metrics import PLOTTED, constant_panels, plotted_panels
+from tether.train.metrics import COMPLETIONS_FILE, PLOTTED, completions_markdown, constant_panels, plotted_panels
 from tether.train.recipe import train
-from tether.train.tracking import COMPLETIONS_FILE, completions_markdown
 
 
 def _events(run: Path):

@@ -464,7 +464,7 @@ def due(eval_every: int, done: int) -> bool:
 
 def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
     """Every ``eval_every`` steps: ``eval_accuracy`` into the step's ``record``; True on a new best."""
-    from tether.train.evaluate import evaluate
+    from tether.train.metrics import evaluate
 
     cfg = run.cfg
     if not due(cfg.eval_every, done):

@@ -276,7 +276,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
-    from tether.train.evaluate import evaluate
+    from tether.train.metrics import evaluate
     from tether.train.run import build_run
 
     if args.run:

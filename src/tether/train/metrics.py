@@ -1,19 +1,46 @@
-"""Run metrics: one JSON line per step in ``metrics.jsonl`` and PNG plots of the curves.
+"""What a run reports: each step's record, the held-out evaluation, the summary and the plots.
 
-The plots have an integer step axis. The accuracy panel marks the held-out (greedy) accuracy
-before training at step 0, after training at the last step (from ``summary.json``) and at
-every periodic evaluation (``eval_accuracy``). A panel whose curve is constant by the run's
-settings is left out (``constant_panels``) rather than drawn as a flat line.
+``metrics.jsonl`` holds one JSON line per step (``MetricsLog``). ``report_to`` names more sinks
+from ``TRACKERS``, comma-separated: TensorBoard (``RUN/tensorboard/``), wandb (``RUN/wandb/``;
+``WANDB_MODE=offline`` needs no network), MLflow (``MLFLOW_TRACKING_URI`` or ``RUN/mlflow.db``);
+each gets every numeric value of each record under its own key, with the step as its x-axis, and
+the logged completions as a table. ``log_completions_every = K`` writes the first
+``COMPLETION_ROWS`` rows of every K-th step's batch to ``RUN/completions.jsonl`` and the trackers.
+
+The held-out evaluation scores greedy answers with the run's reward (accuracy only for tasks that
+define correctness) and measures the exact full-vocabulary KL(pi || pi_ref) at every answer token:
+greedy answers are not samples of pi, so a log-ratio along them would not estimate a KL. A tool
+task is evaluated on greedy multi-turn episodes. ``summarize`` gives ``summary.json``: held-out
+results before and after, the KL budget, the leash's state. ``plot_metrics`` draws one PNG per
+curve with an integer step axis, the held-out accuracy marked before training, at each periodic
+evaluation and after; a curve constant by the run's settings is left out (``constant_panels``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+from torch import nn
+
+from tether.models import TransformersWrapper
+from tether.models.score_plan import row_slices
+from tether.models.scoring import exact_kl_tokens
+from tether.ops.registry import lookup
+from tether.train.checkpoint import due
 from tether.train.config import TrainConfig
+from tether.train.rewards import RewardError, TaskScorer, samples_from_batch, with_checkpoints
+from tether.train.tasks import Problem, Task, episode_stats, make_tool_rollout, prompt_batch, tool_metrics, tool_summary
+
+if TYPE_CHECKING:  # for the annotations only: tether.train.run imports this module
+    from tether.train.run import Run
 
 # (metric key, plot title, y label) for every curve ``tether plot`` draws.
 PLOTTED: tuple[tuple[str, str, str], ...] = (
@@ -238,3 +265,348 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     plt.close(grid)
     written.append(overview)
     return written
+
+
+# ------------------------------------------------------------------------------ trackers and completions
+# The logged completions put a whole group first, so the spread of rewards within a group is visible.
+# A resume cuts ``completions.jsonl`` and TensorBoard back to the checkpoint's step, as it does
+# ``metrics.jsonl``; wandb and MLflow continue the same run (its id is kept in the run directory) and,
+# having no way to delete points, hold the recomputed steps twice.
+COMPLETIONS_FILE = "completions.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+COMPLETION_ROWS = 8
+COMPLETION_COLUMNS = ("prompt", "completion", "reward")
+
+
+class NullTracker:
+    """``report_to: none``: nothing beyond ``metrics.jsonl`` and ``completions.jsonl``."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
+        pass
+
+    def scalars(self, record: dict[str, Any]) -> None:
+        pass
+
+    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardTracker:
+    """Event files in ``RUN/tensorboard/`` through ``torch.utils.tensorboard`` (needs ``tensorboard``)."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
+        SummaryWriter = _need("tensorboard", "torch.utils.tensorboard", "tensorboard").SummaryWriter
+        # purge_step drops the events of steps a resume recomputes, as metrics.jsonl is cut back.
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=purge)
+
+    def scalars(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, float(value), global_step=step)
+        self.writer.flush()
+
+    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.writer.add_text("completions", completions_markdown(rows), global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    return {key: float(value) for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def _run_id(path: Path, new: Callable[[], str]) -> str:
+    """The tracker run id kept in ``path`` (a resume continues that run), or a new one."""
+    if not path.is_file():
+        path.write_text(new())
+    return path.read_text().strip()
+
+
+class WandbTracker:
+    """A Weights & Biases run in ``RUN/wandb/`` (project ``WANDB_PROJECT`` or ``tether``), its id in
+    ``RUN/wandb_run_id``; the run's config is the wandb config."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
+        wandb = _need("wandb", "wandb", "wandb")
+        run_id = _run_id(run_dir / "wandb_run_id", lambda: uuid.uuid4().hex[:12])
+        try:
+            self.run = wandb.init(dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "tether"),
+                                  name=run_dir.name, id=run_id, resume="allow", config=config,
+                                  settings=wandb.Settings(console="off"))
+        except Exception as exc:  # wandb raises its own types (no API key, no network)
+            raise RuntimeError(f"report_to: wandb could not start a run ({exc}); log in with `wandb login`, "
+                               "or set WANDB_MODE=offline to write it to RUN/wandb/ and `wandb sync` it later.") from exc
+        self.wandb = wandb
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def scalars(self, record: dict[str, Any]) -> None:
+        self.run.log({"step": record["step"], **_numbers(record)})
+
+    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        table = self.wandb.Table(columns=list(COMPLETION_COLUMNS), data=[[r[c] for c in COMPLETION_COLUMNS] for r in rows])
+        self.run.log({"step": step, "completions": table})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run (experiment ``MLFLOW_EXPERIMENT_NAME`` or ``tether``) in ``MLFLOW_TRACKING_URI``,
+    or else in ``RUN/mlflow.db`` with artifacts in ``RUN/mlartifacts/``; its id in ``RUN/mlflow_run_id``.
+    The run's config goes in as parameters, completions as ``completions/step_NNNNNN.json`` tables."""
+
+    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
+        MlflowClient = _need("mlflow", "mlflow", "mlflow").MlflowClient
+        from mlflow.entities import Metric, Param
+
+        self.metric = Metric
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+        artifacts = None if uri else (run_dir / "mlartifacts").resolve().as_uri()
+
+        def new_run() -> str:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "tether")
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name, artifact_location=artifacts)
+            run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
+            self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in (config or {}).items()])
+            return run_id
+
+        self.run_id = _run_id(run_dir / "mlflow_run_id", new_run)
+        self.client.update_run(self.run_id, status="RUNNING")
+
+    def scalars(self, record: dict[str, Any]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self.metric(key, value, now, record["step"]) for key, value in _numbers(record).items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        table = {c: [r[c] for r in rows] for c in COMPLETION_COLUMNS}
+        self.client.log_table(self.run_id, data=table, artifact_file=f"completions/step_{step:06d}.json")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class Trackers:
+    """Several trackers as one: each call goes to each, in ``report_to``'s order."""
+
+    def __init__(self, trackers: list[Any]) -> None:
+        self.trackers = trackers
+
+    def scalars(self, record: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.scalars(record)
+
+    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        for tracker in self.trackers:
+            tracker.completions(step, rows)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+
+
+TRACKERS: dict[str, Callable[..., Any]] = {"none": NullTracker, "tensorboard": TensorBoardTracker,
+                                          "wandb": WandbTracker, "mlflow": MlflowTracker}
+
+
+def tracker_names(report_to: str) -> list[str]:
+    """The tracker names of a ``report_to`` value: comma-separated, ``none`` meaning no tracker."""
+    return [name.strip() for name in report_to.split(",") if name.strip() not in ("", "none")]
+
+
+def make_tracker(report_to: str, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> Any:
+    """The trackers ``report_to`` names (``TRACKERS``), opened on ``run_dir``."""
+    return Trackers([lookup(TRACKERS, name, "report_to")(run_dir, resume_step=resume_step, config=config)
+                     for name in tracker_names(report_to)])
+
+
+def _need(extra: str, module: str, package: str) -> Any:
+    """Import ``module`` for ``report_to: extra``, or say which package to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"report_to: {extra!r} needs the {package} package, which is not installed; "
+                          f"pip install 'tether[{extra}]' (or {package}), or leave {extra} out of report_to.") from exc
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def completions_markdown(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the rows (TensorBoard renders text summaries as Markdown)."""
+    lines = ["| prompt | completion | reward |", "|---|---|---|"]
+    lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['reward']:.4g} |" for r in rows]
+    return "\n".join(lines)
+
+
+def log_completions(run: Any, done: int, prompts: list[str], answers: list[str], rewards: Any, correct: Any) -> None:
+    """Every ``log_completions_every`` steps: the first ``COMPLETION_ROWS`` samples of the step
+    (prompts, answers, ``[B]`` rewards and correctness) to ``completions.jsonl`` and the run's tracker."""
+    if not due(run.cfg.log_completions_every, done):
+        return
+    flags = [None] * len(answers) if correct is None else correct.tolist()  # dataset runs define no correctness
+    rows = [{"step": done, "prompt": prompt, "completion": answer, "reward": reward, "correct": ok}
+            for prompt, answer, reward, ok in zip(prompts, answers, rewards.tolist(), flags)]
+    rows = rows[:COMPLETION_ROWS]
+    CompletionLog(run.dir).append(rows)
+    run.tracker.completions(done, rows)
+
+
+class CompletionLog:
+    """``completions.jsonl``: one JSON line per logged sample, cut back to a step on resume."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / COMPLETIONS_FILE
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        with self.path.open("a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        # As in metrics.jsonl, a last line without its newline is a write cut short by a kill.
+        return [json.loads(line) for line in self.path.read_text().split("\n")[:-1] if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        if self.path.is_file():
+            kept = [r for r in self.read() if r["step"] <= step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+# ------------------------------------------------------------------------------ held-out evaluation
+# The reward is the run's (the task's own, or the reward functions': ``tether.train.rewards``); with no
+# held-out problem accuracy and reward are None. On a tool task's episodes the KL covers every
+# assistant message, and the tool statistics of all episodes go to ``EvalResult.tools``.
+_EVAL_BATCH = 64
+
+
+@dataclass
+class EvalResult:
+    accuracy: float | None
+    kl_per_token: float
+    kl_per_seq: float
+    response_length: float
+    n: int
+    tools: dict[str, float] = field(default_factory=dict)
+    reward: float | None = None  # mean reward over the held-out answers
+    rewards: dict[str, float] = field(default_factory=dict)  # each reward function's mean where it applied
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def evaluate(
+    policy: nn.Module,
+    reference: nn.Module | None,
+    tokenizer,
+    task: Task | Any,
+    problems: list[Problem],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    with_kl: bool = True,
+    scorer: Any = None,
+    prompt_format: str = "chat",
+) -> EvalResult:
+    """Greedy accuracy and reward on ``problems`` (``scorer``: the task's reward when None) and
+    (optionally) the exact KL along the answers."""
+    wrapper = TransformersWrapper(
+        policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
+        temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
+    )
+    tool_rollout = make_tool_rollout(task, wrapper)
+    rollout = wrapper if tool_rollout is None else tool_rollout
+    episodes = []
+    scorer = TaskScorer(task) if scorer is None else scorer
+    totals, correct, per_function = [], [], []
+    kl_sum = torch.zeros((), dtype=torch.float64)
+    tokens_total = 0
+    for begin, end in row_slices(len(problems), _EVAL_BATCH):
+        chunk = problems[begin:end]
+        td = rollout(prompt_batch(chunk, prompt_format))
+        if tool_rollout is not None:
+            episodes.append(episode_stats(td))
+        scores = scorer.score(samples_from_batch(td, chunk), where="held-out evaluation")
+        totals.append(scores.total)
+        correct.append(scores.correct)
+        per_function.append(scores.per_function)
+        response = td["masks", "all_assistant_mask"]
+        tokens_total += int(response.sum())
+        if with_kl and reference is not None:
+            kl = exact_kl_tokens(policy, reference, td["tokens", "full"], td["masks", "all_attention_mask"],
+                                 temperature=temperature, where=response.bool())
+            kl_sum += (kl.double() * response.to(kl.device)).sum().cpu()  # the wrapper's masks are on the host
+    n = len(problems)
+    return EvalResult(
+        accuracy=float(torch.cat(correct).mean()) if n and correct[0] is not None else None,
+        kl_per_token=float(kl_sum) / max(tokens_total, 1),
+        kl_per_seq=float(kl_sum) / max(n, 1),
+        response_length=tokens_total / max(n, 1),
+        n=n,
+        tools=tool_metrics(torch.cat(episodes)) if tool_rollout is not None else {},
+        reward=float(torch.cat(totals).mean()) if n else None,
+        rewards={k: float(torch.cat([f[k] for f in per_function]).nanmean()) for k in (per_function[0] if n else {})},
+    )
+
+
+# ------------------------------------------------------------------------------ summary
+def evaluate_run(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:
+    """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict."""
+    try:
+        return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
+                        max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
+                        with_kl=with_kl, scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
+    except RewardError as exc:
+        raise with_checkpoints(exc, run.dir) from exc
+
+
+def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:
+    """The run's summary: held-out results before and after, the KL budget, the leash's state."""
+    records = run.metrics.read()
+    tail = records[-3:]
+    final_kl = _tail_mean(tail, "kl_per_seq") or 0.0
+    return {
+        "model": run.cfg.model,
+        "task": run.task.name,
+        "steps": run.cfg.steps,
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "accuracy_gain_points": None if after["accuracy"] is None else 100 * (after["accuracy"] - before["accuracy"]),
+        "reward_before": before.get("reward"),
+        "reward_after": after.get("reward"),
+        **{f"reward/{name}_{when}": value for when, result in (("before", before), ("after", after))
+           for name, value in result.get("rewards", {}).items()},
+        "eval_kl_per_token": after["kl_per_token"],
+        "eval_kl_per_seq": after["kl_per_seq"],
+        "final_train_kl_per_seq": final_kl,
+        "final_train_kl_exact_per_seq": _tail_mean(tail, "kl_exact_per_seq"),
+        "kl_bound": run.cfg.kl_bound,
+        "kl_within_bound": (_tail_mean(tail, "kl_exact_per_seq") or final_kl) <= run.cfg.kl_bound,
+        "steps_over_kl_bound": sum(bool(r.get("kl_over_bound")) for r in records),
+        "final_kl_coef": float(run.leash.kl_coef),
+        "seconds_this_process": seconds,
+        "eval_size": len(run.held_out),
+        **({"best_eval_step": run.best.step, "best_eval_accuracy": run.best.accuracy} if run.cfg.eval_every else {}),
+        **tool_summary(before, after),
+    }
+
+
+def _tail_mean(tail: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in tail if key in r]
+    return sum(values) / len(values) if values else None

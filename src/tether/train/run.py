@@ -18,13 +18,12 @@ from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.reference_line import ReferenceLine
 from tether.train.checkpoint import BestEval, check_new_run_dir
 from tether.train.config import TrainConfig
-from tether.train.metrics import MetricsLog
+from tether.train.metrics import MetricsLog, NullTracker
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
 from tether.train.schedule import make_lr_scheduler
 from tether.train.setup import Models, build_models, reference_scorer
 from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
 from tether.train.tasks import Problem, check_prompt_format, check_tool_task, dataset_task, load_task, with_episode_limits
-from tether.train.tracking import NullTracker
 
 
 @dataclass

@@ -20,11 +20,9 @@ import torch
 from tether.train.checkpoint import (best_root, checkpoint_record, open_checkpoint, periodic_eval, save_checkpoint,
                                      start_new_run, write_config)
 from tether.train.tasks import check_data
-from tether.train.metrics import plot_metrics
+from tether.train.metrics import CompletionLog, evaluate_run, make_tracker, plot_metrics, summarize
 from tether.train.run import Run
 from tether.train.sharding import load_generator_state
-from tether.train.summary import evaluate_run, summarize
-from tether.train.tracking import CompletionLog, make_tracker
 
 
 def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
