@@ -503,7 +503,7 @@ def parity_worker(device: str, model_name: str) -> dict:
     import torch
 
     from tether.models.scoring import exact_kl_tokens, score_tokens
-    from tether.train.model_source import load_base
+    from tether.train.run import load_base
 
     reference, tokenizer = load_base(model_name, 0, torch.float32)
     policy = copy.deepcopy(reference)
@@ -550,7 +550,7 @@ def nccl_worker(device_name: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tether.train.model_source import load_base
+    from tether.train.run import load_base
     from tether.train.sharding import _shard
 
     cuda = device_name == "cuda"

@@ -31,7 +31,7 @@ from tether.ray import (
 )
 from tether.ray._runtime import is_loopback, probe
 from tether.train.distributed import start_workers
-from tether.train.setup import build_models
+from tether.train.run import build_models
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 

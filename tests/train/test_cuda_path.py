@@ -18,7 +18,7 @@ from tether.models.scoring import score_tokens
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.ops import token_stats_from_hidden
 from tether.train.config import TrainConfig
-from tether.train.setup import build_models
+from tether.train.run import build_models
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

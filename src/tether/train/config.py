@@ -262,7 +262,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.train.tasks import PROMPT_FORMATS
     from tether.train.kl_signal import KL_SIGNALS
     from tether.train.metrics import TRACKERS
-    from tether.train.schedule import LR_SCHEDULES
+    from tether.train.run import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,

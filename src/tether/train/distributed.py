@@ -33,7 +33,7 @@ from tether.ray import (
     start_local_cluster,
 )
 from tether.train.config import TrainConfig
-from tether.train.setup import build_models, reference_scorer
+from tether.train.run import build_models, reference_scorer
 
 __all__ = ["service_scorer", "start_workers", "worker_policy"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
-from tether.train.setup import build_models
+from tether.train.run import build_models
 
 EXPORT_RECORD = "tether_export.json"
 

@@ -300,7 +300,7 @@ class RewardModelFunction:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from tether.models import SequenceRewardModel
-        from tether.train.model_source import check_not_pickled
+        from tether.train.run import check_not_pickled
 
         check_not_pickled(Path(path), "reward_model")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,30 +1,54 @@
-"""The run a recipe steps: what is built once from the config (models, sampler, the policy's
-scorer for the loss pass, optimizer, schedule, KL controller, reference updater, reward
-scorer, logs), validated before anything is written. ``build_run`` is the "config -> models"
-part of the recipes.
+"""The run a recipe steps: built once from the config, opened, checkpointed and closed.
+
+``build_run`` is the "config -> models" part of the recipes: models, sampler, the policy's scorer
+for the loss pass, optimizer, schedule, KL controller, reference updater, reward scorer and logs,
+validated before anything is written. ``open_run`` starts the run directory (or resumes from its
+newest checkpoint), ``close_step`` logs and checkpoints each step at its cadence, ``close_run``
+runs the final evaluation and writes the summary. A checkpoint holds the state beyond the weights
+and a resume puts every piece back (RNGs, controller, schedule, reference updater, best eval, logs
+cut back to the checkpoint's step), so a resumed run ends bit-identical to one that was never
+stopped (on CPU). With a sharded learner, rank 0 alone writes the run directory.
+
+``--model`` is ``default`` (the embedded SmolLM2), ``tiny`` (random 2-layer model), a local Hugging
+Face directory, or a hub id already in the local cache: nothing is downloaded, and weights are
+read from safetensors only. With LoRA the reference is the policy with its adapter disabled
+unless it has to move (``sync``); full fine-tuning and a continued adapter (``cfg.adapter``) take
+a ``frozen_copy``. ``Models.fingerprint`` identifies the base weights and tokenizer as loaded, so
+a checkpoint refuses another base of the same shapes. The learning rate warms up linearly, then
+stays or decays (``LR_SCHEDULES``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import math
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
+from tether._compat import enable_gradient_checkpointing
 from tether.control import KLController, make_kl_controller
 from tether.ops.registry import lookup
-from tether.models import ReferenceUpdater, TransformersWrapper
+from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
 from tether.models.reference_line import ReferenceLine
-from tether.train.checkpoint import BestEval, check_new_run_dir
+from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, open_checkpoint,
+                                     periodic_eval, save_checkpoint, start_new_run, write_config)
 from tether.train.config import TrainConfig
-from tether.train.metrics import MetricsLog, NullTracker
+from tether.train.metrics import (CompletionLog, MetricsLog, NullTracker, evaluate_run, make_tracker, plot_metrics,
+                                  summarize)
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
-from tether.train.schedule import make_lr_scheduler
-from tether.train.setup import Models, build_models, reference_scorer
-from tether.train.sharding import Ranks, join_ranks, shard_models, share_run
-from tether.train.tasks import Problem, check_prompt_format, check_tool_task, dataset_task, load_task, with_episode_limits
-
+from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
+                                   share_run)
+from tether.train.tasks import (Problem, check_data, check_prompt_format, check_tool_task, dataset_task, load_task,
+                                with_episode_limits)
 
 @dataclass
 class Leash:
@@ -118,3 +142,330 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False) -> Run:
     )
     share_run(run)
     return run
+
+
+# ------------------------------------------------------------------------------ the run's life
+def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "data_cursor": step * run.cfg.prompts_per_step,
+        "controller": run.controller.state_dict(),
+        # The moved reference weights go to reference.safetensors, not into state.json.
+        "reference_updater": run.ref_updater.state_dict(with_tensors=False) if run.ref_updater else None,
+        "lr_scheduler": run.scheduler.state_dict(),
+        "best_eval": run.best.state_dict(),
+        **extra,
+    }
+
+
+def save_run(run: Run, step: int, extra: dict[str, Any], *, root: Path | None = None, keep: int | None = None) -> None:
+    """Checkpoint ``run`` after ``step`` steps (``extra``: entries for state.json) under ``root``."""
+    rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}  # equal on every rank
+    save_checkpoint(root or run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
+                    state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference,
+                    keep=keep or run.cfg.keep_checkpoints)
+
+
+def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
+    """Load the newest intact checkpoint into ``run``; returns its step and state."""
+    ckpt, rng = open_checkpoint(run.cfg, run.models, run.optimizer, set_aside=run.ranks.writer)
+    if ckpt.step > run.cfg.steps:
+        raise ValueError(f"steps: {run.cfg.steps} is below the step of {ckpt.path} ({ckpt.step}); "
+                         f"a resume can only extend a run, so give steps >= {ckpt.step}.")
+    torch.set_rng_state(rng["torch"])
+    load_generator_state(run.generator, rng["sampling"], ckpt.path)
+    run.controller.load_state_dict(ckpt.state["controller"])
+    if run.ref_updater is not None and ckpt.state.get("reference_updater"):
+        run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
+    if "lr_scheduler" in ckpt.state:
+        run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
+    run.best.load_state_dict(ckpt.state.get("best_eval"))
+    check_data(ckpt.state, run.task, ckpt.path)
+    if run.ranks.writer:
+        run.metrics.truncate_after(ckpt.step)
+        CompletionLog(run.dir).truncate_after(ckpt.step)
+        write_config(run.dir, run.cfg)  # a resume may have changed steps or the checkpoint cadence
+    return ckpt.step, ckpt.state
+
+
+@dataclass(frozen=True)
+class Opened:
+    """Where an opened run starts: its first step, the evaluation before training, the entries
+    every checkpoint's state.json carries, and the wall clock at the start."""
+
+    start: int
+    eval_before: dict[str, Any]
+    extra: dict[str, Any]
+    wall: float
+
+
+def open_run(run: Run, *, resume: bool) -> Opened:
+    """Resume ``run`` from its newest checkpoint, or start its directory and evaluate the untrained
+    policy; then open its tracker."""
+    cfg, wall = run.cfg, time.perf_counter()
+    if resume:
+        start, state = restore_run(run)
+        before = state["eval_before"]
+    else:
+        run.ranks.on_writer(lambda: start_new_run(cfg))
+        before, start = evaluate_run(run, None, with_kl=False), 0
+    if run.ranks.writer:
+        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None,
+                                   config=dataclasses.asdict(cfg))
+    extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
+             "data": getattr(run.task, "fingerprint", None)}
+    return Opened(start, before, extra, wall)
+
+
+def close_step(run: Run, opened: Opened, record: dict[str, Any]) -> None:
+    """After a step: the periodic evaluation (and best checkpoint), the record logged, and the
+    checkpoint at its cadence (always after the last step)."""
+    cfg, done = run.cfg, record["step"]
+    if periodic_eval(run, done, record):
+        save_run(run, done, opened.extra, root=best_root(run.dir), keep=1)
+    if run.ranks.writer:
+        run.metrics.append(record)
+    run.tracker.scalars(record)
+    if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+        save_run(run, done, opened.extra)
+
+
+def close_run(run: Run, opened: Opened) -> dict[str, Any]:
+    """The final evaluation, then ``summary.json`` and the plots; returns the summary ({} on a
+    rank that does not write)."""
+    after = evaluate_run(run, run.models.reference)
+    if not run.ranks.writer:
+        return {}
+    summary = summarize(run, opened.eval_before, after, time.perf_counter() - opened.wall)
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_metrics(run.dir)
+    return summary
+
+
+# ------------------------------------------------------------------------------ models
+# Hub ids resolve through ``snapshot_download(local_files_only=True)`` and every ``from_pretrained``
+# call passes ``local_files_only=True``, so an uncached id fails with one sentence saying how to fetch
+# it, instead of a network error or a silent download. A directory whose weights are pickles
+# (``pytorch_model.bin``, ``adapter_model.bin``) is refused by name before anything is loaded.
+
+_KINDS = "'default', 'tiny', a local model directory or a hub id in the local Hugging Face cache"
+
+
+def _looks_like_path(spec: str) -> bool:
+    # A hub id is "name" or "owner/name"; anything else the user typed is meant as a path.
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
+
+
+def model_directory(spec: str) -> Path:
+    """The local directory holding ``spec``: the directory itself, or its cached hub snapshot."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if _looks_like_path(spec):
+        raise ValueError(f"model: expected {_KINDS}, got {spec!r}: no such directory; check the path.")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec, local_files_only=True))
+    except HFValidationError as exc:
+        raise ValueError(f"model: expected {_KINDS}, got {spec!r}, which is neither a directory nor a valid hub "
+                         "id; check the spelling.") from exc
+    except LocalEntryNotFoundError as exc:
+        raise ValueError(
+            f"model: {spec!r} is no local directory and is not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); tether never downloads. Fetch it once with `hf download {spec}` "
+            "(or set HF_HUB_CACHE to the cache that holds it), or pass a local directory."
+        ) from exc
+
+
+def check_not_pickled(directory: Path, argument: str, *, weights: str = "model") -> None:
+    """Refuse ``directory`` when its ``weights`` (``model`` or ``adapter_model``) exist only as pickles.
+
+    Loading a pickle can run code, and transformers and PEFT fall back to one when no
+    safetensors file is there; tether never reads them (its own checkpoints pickle nothing)."""
+    safe = f"{weights}*.safetensors"
+    pickled = "pytorch_model*.bin" if weights == "model" else f"{weights}*.bin"
+    found = sorted(directory.glob(pickled))
+    if found and not any(directory.glob(safe)):
+        raise ValueError(
+            f"{argument}: expected safetensors weights ({safe}) in {directory}, got only the pickle {found[0]}; "
+            "tether refuses pickled weights, since loading one can run code. Convert it once where you trust "
+            "the file (load it with transformers or PEFT and save_pretrained, which writes safetensors), or "
+            "pass a directory with safetensors weights."
+        )
+
+
+def load_base(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """``(model in eval mode, tokenizer)`` for ``spec`` (see the module docstring), in ``dtype``."""
+    if spec == "default":
+        return load_default_model(dtype=dtype)
+    if spec == "tiny":
+        tokenizer = byte_tokenizer()
+        return tiny_causal_lm(tokenizer, hidden=64, layers=2, seed=seed, head_scale=1.0, dtype=dtype), tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_directory(spec)
+    check_not_pickled(path, "model")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, use_safetensors=True)
+    return model.eval(), tokenizer
+
+
+def load_adapter(base: nn.Module, path: str) -> nn.Module:
+    """``base`` wrapped by PEFT with the LoRA adapter saved in ``path``, its weights trainable."""
+    import peft
+
+    directory = Path(path).expanduser()
+    if not (directory / "adapter_config.json").is_file():
+        raise ValueError(f"adapter: expected a directory holding a PEFT adapter (adapter_config.json), got "
+                         f"{path!r}; pass the directory that save_pretrained wrote.")
+    check_not_pickled(directory, "adapter", weights="adapter_model")
+    config = peft.PeftConfig.from_pretrained(directory)
+    if config.peft_type != peft.PeftType.LORA:
+        raise ValueError(f"adapter: {path!r} holds a {config.peft_type.value} adapter; tether continues LoRA "
+                         "adapters only.")
+    # The adapter keeps PEFT's float32 factors over a bfloat16 base (autocast_adapter_dtype).
+    return peft.PeftModel.from_pretrained(base, directory, is_trainable=True)
+
+
+def adapter_digest(policy: nn.Module) -> str:
+    """SHA-256 of the adapter's trainable tensors as loaded (names, shapes and values)."""
+    digest = hashlib.sha256()
+    for name, param in policy.named_parameters():
+        if param.requires_grad:
+            digest.update(f"{name}:{list(param.shape)};".encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class AdapterNote(UserWarning):
+    """A continued adapter's own rank, alpha and targets replace lora_rank, lora_alpha and lora_targets."""
+
+
+@dataclass
+class Models:
+    policy: nn.Module
+    reference: nn.Module
+    tokenizer: Any
+    # The reference's own weights, when it is a separate copy that an update policy moves.
+    movable_reference: nn.Module | None
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    device: torch.device = torch.device("cpu")  # where the policy's weights live
+
+
+# ``fingerprint`` hashes every tensor's name, shape, dtype and an evenly strided sample of at most
+# ``_SAMPLE`` of its values (all of them for small tensors): two bases that differ at all differ in far
+# more places than that sample misses, and hashing 135M weights in full would add seconds to every
+# start. A continued adapter adds the digest of its weights as loaded.
+_SAMPLE = 1 << 16
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
+    """SHA-256 digests of the base weights (strided sample) and of the tokenizer's vocabulary."""
+    weights = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        # Raw bits as integers of the same width (numpy has no bfloat16); numpy's strided
+        # copy is far faster than torch's here.
+        bits = tensor.detach().cpu().reshape(-1).view(_SAME_WIDTH[tensor.element_size()]).numpy()
+        weights.update(f"{name}:{list(tensor.shape)}:{tensor.dtype};".encode())
+        weights.update(bits[:: max(1, bits.size // _SAMPLE)].tobytes())
+    vocab = {"vocab": sorted(tokenizer.get_vocab().items()), "special": str(tokenizer.special_tokens_map),
+             "chat_template": str(getattr(tokenizer, "chat_template", None))}
+    text = json.dumps(vocab, sort_keys=True).encode()
+    return {"weights": weights.hexdigest(), "tokenizer": hashlib.sha256(text).hexdigest()}
+
+
+def build_models(cfg: TrainConfig) -> Models:
+    """Policy, reference and tokenizer for ``cfg``: base from ``cfg.model`` in ``cfg.dtype`` on
+    ``cfg.device``, then a new LoRA adapter, the one in ``cfg.adapter``, or full fine-tuning."""
+    device = resolve_device(cfg.device)  # first: a refused device costs no model load
+    base, tokenizer = load_base(cfg.model, cfg.seed, resolve_dtype(cfg.dtype))
+    base.eval()  # RL needs sampling and scoring to agree: no dropout anywhere
+    prints = fingerprint(base, tokenizer)
+    base.to(device)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
+    if cfg.adapter:
+        return _continued_adapter(base, tokenizer, cfg, prints, device)
+    if cfg.lora_rank == 0:
+        base.requires_grad_(True)
+        reference = frozen_copy(base)
+        movable = reference if cfg.reference_update != "fixed" else None
+        return Models(base, reference, tokenizer, movable, prints, device)
+    import peft
+
+    torch.manual_seed(cfg.seed)
+    lora = peft.LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()],
+    )
+    policy = peft.get_peft_model(base, lora).eval()
+    if cfg.reference_update == "fixed":
+        return Models(policy, adapter_disabled(policy), tokenizer, None, prints, device)
+    reference = frozen_copy(policy)
+    return Models(policy, reference, tokenizer, reference, prints, device)
+
+
+def _continued_adapter(base: nn.Module, tokenizer: Any, cfg: TrainConfig, prints: dict[str, str],
+                       device: torch.device) -> Models:
+    """The policy continues the saved adapter; the reference is that policy as loaded, frozen.
+
+    Not the base with the adapter disabled: the leash holds the policy near where this run
+    starts, and pulling it back to the base would undo the adapter's earlier training. The
+    frozen copy costs one more copy of the weights.
+    """
+    if cfg.lora_rank == 0:
+        raise ValueError(f"adapter: {cfg.adapter!r} trains a LoRA adapter, but lora_rank=0 asks to train every "
+                         "weight; drop adapter, or leave lora_rank at a positive value.")
+    policy = load_adapter(base, cfg.adapter).eval()
+    lora = policy.peft_config["default"]
+    warnings.warn(f"adapter {cfg.adapter}: continuing its LoRA (rank {lora.r}, alpha {lora.lora_alpha}, targets "
+                  f"{sorted(lora.target_modules)}); lora_rank, lora_alpha and lora_targets are not used.",
+                  AdapterNote, stacklevel=2)
+    prints = {**prints, "adapter": adapter_digest(policy)}
+    reference = frozen_copy(policy)
+    movable = reference if cfg.reference_update != "fixed" else None
+    return Models(policy, reference, tokenizer, movable, prints, device)
+
+
+def reference_scorer(models: Models, cfg: TrainConfig) -> TransformersWrapper:
+    """Scoring wrapper of ``models.reference``: log-probs under ``ref_log_probs`` at the sampling temperature."""
+    return TransformersWrapper(models.reference, models.tokenizer, input_mode="tokens", generate=False,
+                               temperature=cfg.temperature, log_probs_key="ref_log_probs")
+
+
+# ------------------------------------------------------------------------------ learning-rate schedule
+# The unit is the training step (one rollout), the unit of ``steps`` and ``checkpoint_every``: with
+# ``updates_per_rollout > 1`` every update of a step uses that step's learning rate. The multiplier of
+# step ``s`` (0-based, the step being taken) is ``(s + 1) / (warmup + 1)`` during warm-up, so the first
+# step already moves the weights, and afterwards ``f(p)`` with ``p = (s - warmup) / (steps - warmup)``
+# the fraction of the decay done: ``1`` (constant), ``1 - p`` (linear) or ``(1 + cos(pi p)) / 2``
+# (cosine). The scheduler's state is saved in the checkpoint. The horizon is the run's ``steps``:
+# extending a run with ``--resume --steps N`` stretches the rest of the decay over the new horizon.
+LR_SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda done: 1.0,
+    "linear": lambda done: 1.0 - done,
+    "cosine": lambda done: 0.5 * (1.0 + math.cos(math.pi * done)),
+}
+
+
+def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Factor on the base learning rate for the 0-based ``step`` of a run of ``total_steps``."""
+    decay = lookup(LR_SCHEDULES, schedule, "lr_schedule")
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    span = max(total_steps - warmup_steps, 1)
+    return decay(min((step - warmup_steps) / span, 1.0))
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup_steps: int,
+                      total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` stepped once per training step; its ``last_epoch`` is the next step's index."""
+    lookup(LR_SCHEDULES, schedule, "lr_schedule")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(step, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps),
+    )
