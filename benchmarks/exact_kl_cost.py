@@ -10,7 +10,7 @@ variant is timed ``--repeats`` times:
 * ``reference pass``: the reference stage alone (what the loss-pass KL adds to it: keeping hidden states);
 * ``separate exact pass``: ``exact_kl_tokens(policy, reference, where=assistant mask)``;
 * ``budget reading``: what ``kl_controller=budget`` spends per reading after the update, one
-  no-grad policy pass against the kept hidden states (``tether.train.kl_signal.answer_kl``); a
+  no-grad policy pass against the kept hidden states (``tether.train.updates.answer_kl``); a
   step spends one reading when the update stays in the band, two or more when it moves it.
 
     python benchmarks/exact_kl_cost.py [--repeats 3] [--threads 2]
@@ -28,7 +28,7 @@ import torch
 from tether.models.scoring import exact_kl_tokens
 from tether.train.config import TrainConfig
 from tether.train.recipe import accumulate_gradients, add_advantages, add_reference, sample, score_rewards, step_problems
-from tether.train.kl_signal import answer_kl
+from tether.train.updates import answer_kl
 from tether.train.run import build_run
 
 

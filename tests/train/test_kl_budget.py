@@ -15,7 +15,7 @@ from tests.train.test_tool_task import scripted_turn
 from tether.control import BudgetKLController
 from tether.models.scoring import exact_kl_tokens
 from tether.rollout import MultiTurnRollout
-from tether.train.kl_signal import answer_kl, hold_kl_budget
+from tether.train.updates import answer_kl, hold_kl_budget
 from tether.train.recipe import build_run, optimize, train
 
 BUDGET = dict(kl_controller="budget", dtype="float64", learning_rate=1e-2, kl_coef=0.05)

@@ -11,7 +11,7 @@ import torch
 from tests.train.test_recipe import _metrics, _weights, tiny_cfg
 from tether.control import TargetKLController
 from tether.train.config import TrainConfig
-from tether.train.kl_signal import measure_kl
+from tether.train.updates import measure_kl
 from tests.train.test_recipe import interrupted_train, prepared
 from tether.train.recipe import accumulate_gradients, build_run, train
 

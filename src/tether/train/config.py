@@ -259,11 +259,11 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
-    from tether.train.tasks import PROMPT_FORMATS
-    from tether.train.kl_signal import KL_SIGNALS
     from tether.train.metrics import TRACKERS
     from tether.train.run import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
+    from tether.train.tasks import PROMPT_FORMATS
+    from tether.train.updates import KL_SIGNALS
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
             "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,

@@ -28,13 +28,13 @@ from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, eff
                         gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go)
 from tether.rollout import episode_metrics
 from tether.train.config import TrainConfig
-from tether.train.kl_signal import has_exact_kl, hold_kl_budget, measure_kl
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Samples, Scores, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
 from tether.train.sharding import gather_scores, gather_terms
 from tether.train.tasks import Problem, prompt_batch, tool_rollout
-from tether.train.updates import Update, check_finite_update, minibatch_bounds, store_old_log_probs
+from tether.train.updates import (Update, check_finite_update, has_exact_kl, hold_kl_budget, measure_kl, minibatch_bounds,
+                                  store_old_log_probs)
 
 Rollout = Callable[[Run, list[Problem], int], StepRecord]
 

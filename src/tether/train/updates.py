@@ -1,31 +1,40 @@
-"""Several updates per rollout: the step's batch cut into mini-batches, each one optimizer step.
+"""The step's update and the KL the leash measures it by.
 
 ``updates_per_rollout = N`` cuts the step's ``B`` sequences into ``N`` contiguous mini-batches
-(sizes differ by at most one; advantages were computed over whole groups before the cut, so
-the cut does not change them). Mini-batch ``k`` is trained after ``k`` updates, so its
-sampling log-probs are the old log-probs of the ratio: from the second update on the ratios
-differ from 1 and the clip, the ESS and the importance-weighted KL term act. ``N = 1`` is the
-one on-policy update of the plain recipe. No randomness is drawn for the cut.
+(sizes differ by at most one; advantages were computed over whole groups before the cut, so the
+cut does not change them), each one optimizer step. Mini-batch ``k`` is trained after ``k``
+updates, so from the second update on the ratios differ from 1 and the clip, the ESS and the
+importance-weighted KL term act; no randomness is drawn for the cut. With ``importance_correction``
+(TIS / MIS) ``store_old_log_probs`` scores the trainer's log-probs under the sampling weights once
+before the first update. A non-finite loss or gradient norm raises before the weights move.
 
-With ``importance_correction`` (TIS / MIS) the loss reads the trainer's log-probs under
-the sampling weights from ``old_log_probs``; if absent it takes the current policy, which is
-exact only for the first update. ``store_old_log_probs`` scores them once before the first
-update, micro-batch by micro-batch.
+The leash reads two KLs per answer, summed over its response tokens: sampled, k1 along the
+sampled tokens (unbiased but noisy: a batch mean can be negative), and exact, the full-vocabulary
+KL at each position of the sampled answers, computed inside the loss pass from the reference's
+kept hidden states (two head projections, no extra forward). ``kl_signal=exact`` (default) feeds
+``kl_bound`` and the summary; the controller reads the sampled KL of the batch it is about to train
+on, known before the update. Without an exact KL (a non-linear head, a Ray ``ReferenceService``)
+the sampled one is used and the record says so. ``hold_kl_budget`` measures the updated weights
+for ``kl_controller=budget``. Why each signal goes where it does: ``docs/leash.md``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from tether.models.score_plan import row_slices
+from tether.models.scoring import causal_lm_parts
+from tether.models.step_record import StepRecord
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
+from tether.ops import kl_k1
 from tether.train.checkpoint import describe_checkpoints
-
 
 @dataclass
 class Update:
@@ -64,9 +73,95 @@ def minibatch_bounds(size: int, n: int) -> list[tuple[int, int]]:
     return bounds
 
 
+# Without them the loss reads the current policy's log-probs, which is exact for the first update only.
 @torch.no_grad()
 def store_old_log_probs(actor: Any, record: Any, micro_batch_size: int) -> torch.Tensor:
     """``[B, T]`` the current policy's log-probs of a ``StepRecord``'s answer tokens."""
     parts = [actor.score(part.tokens, part.attention_mask, where=part.assistant_mask).log_probs
              for part in (record.rows(b, e) for b, e in row_slices(len(record), micro_batch_size))]
     return torch.cat(parts).to(record.tokens.device)
+
+
+# ------------------------------------------------------------------------------ the leash's KL
+# The config's kl_signal choices (read by TrainConfig.validate).
+KL_SIGNALS: dict[str, str] = {
+    "sampled": "k1 summed along the sampled answers",
+    "exact": "full-vocabulary KL at every position of the sampled answers",
+}
+
+
+@dataclass(frozen=True)
+class KLMeasurement:
+    """Per-answer KLs of one batch (``[B]`` each, float64) and its response token count."""
+
+    sampled: Tensor
+    exact: Tensor | None
+    tokens: int
+
+    @property
+    def signal(self) -> Tensor:
+        """What the bound and the summary read: the exact KL when there is one."""
+        return self.exact if self.exact is not None else self.sampled
+
+    def metrics(self, kl_bound: float) -> dict[str, Any]:
+        """Record entries: both KLs per answer (``*_per_seq``) and per token, and the bound check."""
+        per_token = max(self.tokens, 1)
+        out: dict[str, Any] = {
+            "kl_per_seq": float(self.sampled.mean()),
+            "kl_per_token": float(self.sampled.sum()) / per_token,
+        }
+        if self.exact is not None:
+            out["kl_exact_per_seq"] = float(self.exact.mean())
+            out["kl_exact_per_token"] = float(self.exact.sum()) / per_token
+        measured = float(self.signal.mean())
+        out["kl_signal"] = "exact" if self.exact is not None else "sampled"
+        out["kl_over_bound"] = measured > kl_bound
+        return out
+
+
+def has_exact_kl(policy: torch.nn.Module) -> bool:
+    """Whether the policy's logits are a linear head of its hidden states (exact KL possible)."""
+    return causal_lm_parts(policy).decoder is not None
+
+
+def measure_kl(sampled: Tensor, exact_tokens: Tensor | None, mask: Tensor) -> KLMeasurement:
+    """Both KLs of a batch.
+
+    Args:
+        sampled: ``[B]`` summed ``log pi - log pi_ref`` of each answer's sampled tokens.
+        exact_tokens: ``[B, T]`` exact KL per token (``GRPOTokenTerms.kl_to_ref_exact``), or None.
+        mask: ``bool [B, T]`` the answer tokens.
+    """
+    exact = None if exact_tokens is None else (exact_tokens * mask.to(exact_tokens.device)).sum(-1).double().cpu()
+    return KLMeasurement(sampled=sampled.detach().double().cpu(), exact=exact, tokens=int(mask.sum()))
+
+
+def answer_kl(actor: Any, record: StepRecord) -> Tensor:
+    """``[B]`` the KL of ``actor``'s model to the reference along each of ``record``'s answers:
+    exact over the vocabulary from ``record.ref_hidden``, else k1 of the sampled tokens against
+    ``record.ref_log_probs`` (a reference that returned log-probs only)."""
+    mask = record.assistant_mask
+    scored = actor.score(record.tokens, record.attention_mask, where=mask, kl_to=record.ref_hidden)
+    per_token = scored.exact_kl if record.ref_hidden is not None else kl_k1(scored.log_probs, record.ref_log_probs)
+    return (per_token.double() * mask.to(per_token.device)).sum(-1).cpu()
+
+
+@torch.no_grad()
+def hold_kl_budget(run: Any, record: StepRecord) -> dict[str, float]:
+    """``kl_controller=budget``, after the optimizer step: the updated weights' mean KL per answer
+    over every rank's rows, and, if it left the band, the weights moved back into it (the
+    controller's ``hold``); the move's record entries and the seconds it took. Other controllers:
+    nothing, ``{}``."""
+    if run.line is None:  # built by build_run for kl_controller=budget only
+        return {}
+    ranks, line, start = run.ranks, run.line, time.perf_counter()
+    line.capture()
+
+    def measure() -> float:
+        with ranks.unsharded():
+            kl = answer_kl(run.actor, record)
+        total = ranks.total(torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]))
+        return float(total[0] / total[1])
+
+    move = run.controller.hold(line.place, measure).metrics()
+    return {**move, "kl_move_seconds": time.perf_counter() - start}  # what the budget cost this step
