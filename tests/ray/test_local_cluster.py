@@ -30,7 +30,7 @@ from tether.ray import (
     start_local_cluster,
 )
 from tether.ray._runtime import is_loopback, probe
-from tether.train.distributed import start_workers
+from tether.train.recipe_ray import start_workers
 from tether.train.run import build_models
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]

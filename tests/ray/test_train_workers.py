@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from tests.ray.test_workers import tiny_cfg, wait_for_free_cpus
-from tether.train import distributed, recipe, recipe_ray
+from tether.train import recipe, recipe_ray
 from tether.train.metrics import MetricsLog
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
@@ -35,9 +35,9 @@ def test_train_that_raises_mid_run_releases_the_workers(tmp_path, monkeypatch):
         pools.append(start(cfg))
         return pools[-1]
 
-    start = distributed.start_workers
+    start = recipe_ray.start_workers
     monkeypatch.setattr(recipe, "score_rewards", fail_at_step_two)
-    monkeypatch.setattr(distributed, "start_workers", kept_pool)
+    monkeypatch.setattr(recipe_ray, "start_workers", kept_pool)
     with pytest.raises(recipe.RewardError, match="reward broke"), pytest.warns(UserWarning, match="sampled KL"):
         recipe_ray.train(tiny_cfg(tmp_path / "ray"), progress=False)
     assert len(pools) == 1 and pools[0].workers == []

@@ -13,7 +13,7 @@ import torch
 
 from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.train.config import TrainConfig
-from tether.train.distributed import service_scorer, start_workers
+from tether.train.recipe_ray import service_scorer, start_workers
 from tether.train.run import build_models
 from tether.train.tasks import load_task
 
