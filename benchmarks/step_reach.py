@@ -4,8 +4,8 @@ Builds the run of a tiny config (the 2-layer random ``tiny`` model, the default 
 task and leash, 2 prompts x 3 answers of 6 tokens; what the recipe tests run), then calls
 ``tether.train.recipe.train_step(run, 0)`` once under ``sys.setprofile``. Counted: every
 Python function or method called from the first call into ``train_step`` to its return,
-by the module its code is defined in (``f_globals["__name__"]``); the run's set-up before the
-step is not counted, nor module bodies run by an import inside the step, nor C functions.
+by the module its code is defined in (``f_globals["__name__"]``). Not counted: the run's set-up
+before the step, an import the step triggers (its module bodies and what they call), C functions.
 Printed: the number of distinct ``tether.*`` modules and of ``tether.train.*`` ones, then
 each module with its number of calls. A measure of how many files a reader follows to see
 one step, not of speed.
@@ -39,9 +39,13 @@ def step_reach(out: Path) -> Counter:
     """Calls per module during one ``train_step`` of the tiny run written under ``out``."""
     run = recipe.build_run(tiny_config(out), fresh=True)
     calls: Counter = Counter()
+    importing = 0  # module bodies running: an import the step triggered, whose calls are not the step's
 
     def profile(frame, event, arg) -> None:
-        if event == "call" and frame.f_code.co_name != "<module>":
+        nonlocal importing
+        if frame.f_code.co_name == "<module>":
+            importing += {"call": 1, "return": -1}.get(event, 0)
+        elif event == "call" and not importing:
             calls[frame.f_globals.get("__name__", "?")] += 1
 
     sys.setprofile(profile)

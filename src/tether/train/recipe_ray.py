@@ -43,6 +43,7 @@ from tether.train.recipe_sharded import sharded_rollout
 from tether.train.run import Run, build_models, build_run, reference_scorer
 from tether.train.tasks import Problem
 
+
 class SampledKLNote(UserWarning):
     """A Ray run reads the sampled KL where kl_signal asked for the exact one."""
 

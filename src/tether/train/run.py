@@ -50,6 +50,7 @@ from tether.train.sharding import (Ranks, join_ranks, load_generator_state, reso
 from tether.train.tasks import (Problem, check_data, check_prompt_format, check_tool_task, dataset_task, load_task,
                                 with_episode_limits)
 
+
 @dataclass
 class Leash:
     """The leash's beta: the KL coefficient a controller drives, read by the recipe's loss term

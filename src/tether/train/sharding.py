@@ -36,6 +36,7 @@ from tether.ops.checks import problems, whole_number
 from tether.ops.registry import lookup
 from tether.train.rewards import Scores
 
+
 # ------------------------------------------------------------------------------ device and dtype
 # Only float32 and bfloat16 are offered for training: float16 needs loss scaling, which the recipe does
 # not do. Log-softmax, entropy and exact KL run in float32 in ``tether.ops`` and the LoRA factors PEFT

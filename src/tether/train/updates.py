@@ -36,6 +36,7 @@ from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import kl_k1
 from tether.train.checkpoint import describe_checkpoints
 
+
 @dataclass
 class Update:
     """What the step's updates report: the loss's output over the whole batch (every update's
