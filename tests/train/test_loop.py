@@ -157,7 +157,7 @@ def test_eval_every_keeps_the_best_checkpoint(tmp_path, capsys):
     ({"dual_clip": 0.5}, "dual_clip: expected a finite number > 1, got 0.5. 0 turns it off."),
     ({"importance_cap": 0.0}, "importance_cap: expected a finite number > 0, got 0.0"),
     ({"lr_schedule": "step"}, "lr_schedule: expected one of 'constant', 'linear', 'cosine', got 'step'."),
-    ({"report_to": "wandb"}, "report_to: expected one of 'none', 'tensorboard', got 'wandb'."),
+    ({"report_to": "tensorboard,wand"}, "report_to: expected one of 'none', 'tensorboard', 'wandb', 'mlflow', got 'wand'."),
     ({"ratio_level": "seq"}, "ratio_level: expected one of 'token', 'sequence', got 'seq'."),
     ({"importance_correction": "is"}, "importance_correction: expected one of 'tis', 'mis', 'none', got 'is'."),
     ({"eval_every": -1}, "eval_every: expected an int >= 0, got -1"),

@@ -13,13 +13,10 @@ was not trained on. What ``OUT`` holds:
   ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``. The embedded default model is
   loaded from GGUF but its weights are dense, so this is an ordinary float directory;
 
-and always the tokenizer files with the chat template, and ``tether_export.json`` (the run's
-directory name, the checkpoint relative to the run, step, kind, base). Files get the mode a
-new file gets under the umask (safetensors writes 0600). The directory is written beside
-``OUT`` and renamed into place, so a failed export leaves no partial ``OUT``.
-``--push-to-hub REPO`` adds a model card (``README.md``: the run's config, ``summary.json``'s
-figures, the leash's settings and plots in ``figures/``) and uploads ``OUT`` with
-``huggingface_hub``; a failed upload leaves ``OUT`` complete and says how to push it later.
+and always the tokenizer files with the chat template, and ``tether_export.json`` (run name,
+checkpoint, step, kind, base). Files get the umask's mode; ``OUT`` is written beside and renamed
+into place. ``--push-to-hub REPO`` adds a model card (``README.md``: config, summary figures,
+leash settings, plots in ``figures/``) and uploads ``OUT``; a failed upload leaves it complete.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from tether.models.scoring import causal_lm_parts
 from tether.models.step_record import StepRecord
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import kl_k1
+from tether.ops.slices import even_slices
 from tether.train.checkpoint import describe_checkpoints
 
 
@@ -65,13 +66,7 @@ def minibatch_bounds(size: int, n: int) -> list[tuple[int, int]]:
     if not 1 <= n <= size:
         raise ValueError(f"updates_per_rollout: expected 1..{size} (the batch's sequences), got {n}; "
                          "lower updates_per_rollout or raise prompts_per_step * group_size.")
-    base, extra = divmod(size, n)
-    bounds, begin = [], 0
-    for k in range(n):
-        end = begin + base + (1 if k < extra else 0)
-        bounds.append((begin, end))
-        begin = end
-    return bounds
+    return even_slices(size, n)
 
 
 # Without them the loss reads the current policy's log-probs, which is exact for the first update only.
