@@ -158,7 +158,7 @@ def test_cli_user_errors_are_one_line_with_status_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_cli_takes_trl_flags_and_underscore_spellings(tmp_path, monkeypatch):
+def test_cli_takes_trl_flags_and_underscore_spellings(tmp_path):
     """``--beta``, a bare ``--bf16`` and ``--learning_rate`` reach the config as tether keys."""
     seen = {}
 
@@ -166,10 +166,9 @@ def test_cli_takes_trl_flags_and_underscore_spellings(tmp_path, monkeypatch):
         seen["cfg"] = cfg
         return {}
 
-    monkeypatch.setattr("tether.train.recipe.train", fake_train)
     with pytest.warns(TRLNameNote) as notes:
         code = main(["train", "--model", "tiny", "--beta", "0.05", "--bf16", "--learning_rate", "3e-4",
-                     "--num_generations", "3", "--out", str(tmp_path / "r"), "--quiet"])
+                     "--num_generations", "3", "--out", str(tmp_path / "r"), "--quiet"], train_fn=fake_train)
     assert code == 0
     cfg = seen["cfg"]
     assert (cfg.kl_coef, cfg.dtype, cfg.learning_rate, cfg.group_size) == (0.05, "bfloat16", 3e-4, 3)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -44,16 +43,16 @@ class _Killed(Exception):
 
 def interrupted_train(cfg: TrainConfig, after: int) -> None:
     """Run ``cfg`` as if the process died once ``after`` steps were done: what the run directory
-    holds is what the loop had written by then (checkpoints at its cadence, logs)."""
-    real = recipe.train_step
+    holds is what the loop had written by then (checkpoints at its cadence, logs). The death comes
+    through the loop's public ``rollout`` seam, at the start of step ``after + 1``."""
 
-    def step(run, index, *rest):
-        if index >= after:
+    def rollout(run, problems, step):
+        if step >= after:
             raise _Killed
-        return real(run, index, *rest)
+        return sample(run, problems, step)
 
-    with mock.patch.object(recipe, "train_step", step), pytest.raises(_Killed):
-        train(cfg, progress=False)
+    with pytest.raises(_Killed):
+        train(cfg, progress=False, rollout=rollout)
 
 
 def tiny_cfg(out: Path, **kw) -> TrainConfig:

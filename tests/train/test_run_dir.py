@@ -318,21 +318,16 @@ def test_ctrl_c_prints_one_line_with_the_resume_command_and_loses_nothing(tmp_pa
 
 
 def test_ctrl_c_before_the_first_checkpoint_and_on_other_ranks(tmp_path, monkeypatch, capsys):
-    """Ctrl-C while the models load: one line saying no checkpoint exists yet (nothing written, so
-    no --overwrite needed), status 130. A copied recipe's line resumes with python COPY. A rank
-    started by tether's launcher, or a rank other than 0, prints nothing (its launcher or rank 0
-    speaks for the run)."""
-    from tether.train import recipe
-
+    """Ctrl-C while the run is being set up (here: while the reward file loads, before the models):
+    one line saying no checkpoint exists yet (nothing written, so no --overwrite needed), status
+    130. A copied recipe's line resumes with python COPY. A rank started by tether's launcher, or a
+    rank other than 0, prints nothing (its launcher or rank 0 speaks for the run)."""
     finished_run = tmp_path / "copied"
     train(tiny_cfg(finished_run, steps=1), progress=False)
-
-    def interrupt(cfg, **_):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(recipe, "build_run", interrupt)
+    interrupting = tmp_path / "interrupting_rewards.py"
+    interrupting.write_text("raise KeyboardInterrupt  # the user's Ctrl-C, while tether reads this file\n")
     run = tmp_path / "run"
-    args = ["train", "--quiet", *[f"{k}={v}" for k, v in tiny_cfg(run).__dict__.items()]]
+    args = ["train", "--quiet", *[f"{k}={v}" for k, v in tiny_cfg(run, reward_funcs=str(interrupting)).__dict__.items()]]
     assert main(args) == 130
     out = capsys.readouterr()
     assert out.err.splitlines() == [f"tether train: interrupted before the first checkpoint of {run}: no checkpoint "

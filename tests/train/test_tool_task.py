@@ -114,9 +114,9 @@ def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):
     not run (end "max_turns"), no tool turn is written, and every episode has one message;
     ``--max-episode-tokens`` lands in the task's ``ToolUse`` as its ``max_tokens``."""
     seen = {}
-    monkeypatch.setattr("tether.train.recipe.train", lambda cfg, **_: seen.setdefault("cfg", cfg) and {})
     code = main(["train", "--model", "tiny", "--task", "arithmetic-tools", "--max-turns", "1",
-                 "--max-episode-tokens", "900", "--out", str(tmp_path / "r"), "--quiet"])
+                 "--max-episode-tokens", "900", "--out", str(tmp_path / "r"), "--quiet"],
+                train_fn=lambda cfg, **_: seen.update(cfg=cfg) or {})
     assert code == 0 and (seen["cfg"].max_turns, seen["cfg"].max_episode_tokens) == (1, 900)
     monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
     run = build_run(cfg(tmp_path / "run", prompts_per_step=4, max_turns=1, max_episode_tokens=900))
