@@ -559,7 +559,7 @@ def evaluate(
         kl_per_seq=float(kl_sum) / max(n, 1),
         response_length=tokens_total / max(n, 1),
         n=n,
-        tools=tool_metrics(torch.cat(episodes)) if tool_rollout is not None else {},
+        tools=tool_metrics(torch.cat(episodes).get("episode", None)) if tool_rollout is not None else {},
         reward=float(torch.cat(totals).mean()) if n else None,
         rewards={k: float(torch.cat([f[k] for f in per_function]).nanmean()) for k in (per_function[0] if n else {})},
     )

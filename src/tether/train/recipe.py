@@ -21,18 +21,15 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from tether.models.score_plan import row_slices
 from tether.models.step_record import StepRecord, group_ids
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
-                        gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go)
-from tether.rollout import episode_metrics
+                        gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices)
 from tether.train.config import TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Samples, Scores, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
-from tether.train.sharding import gather_scores, gather_terms
-from tether.train.tasks import Problem, prompt_batch, tool_rollout
+from tether.train.tasks import Problem, prompt_batch, tool_metrics, tool_rollout
 from tether.train.updates import (Update, check_finite_update, has_exact_kl, hold_kl_budget, measure_kl, minibatch_bounds,
                                   store_old_log_probs)
 
@@ -158,7 +155,7 @@ def optimize(run: Run, record: StepRecord, step: int) -> Update:
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))))
         check_finite_update(loss, norms[-1], step, run.dir)
         run.optimizer.step()
-    terms = gather_terms(run.ranks, GRPOTokenTerms.cat(kept))  # every rank's rows
+    terms = run.ranks.all_rows(GRPOTokenTerms.cat(kept))  # every rank's rows
     return Update(reduce(run, terms), sum(norms) / len(norms), terms)
 
 
@@ -200,7 +197,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     if ranks.writer:  # this rank's rows
         log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], record.responses, record.rewards,
                         scores.correct)
-    scores, out, elapsed = gather_scores(ranks, scores), update.output, time.perf_counter() - start
+    scores, out, elapsed = ranks.all_rows(scores), update.output, time.perf_counter() - start
     return {
         "step": step + 1, "reward_mean": float(scores.total.mean()), "reward_std": float(scores.total.std()),
         **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
@@ -210,7 +207,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         "response_length": float(update.terms.mask.sum(-1).float().mean()), "grad_norm": update.grad_norm, "lr": lr,
         "loss": float(out.total_loss()), "step_time": elapsed,
         "tokens_per_s": float(ranks.total(record.attention_mask.sum())) / elapsed,
-        **(episode_metrics(record.episode) if record.episode else {}),
+        **tool_metrics(record.episode),
     }
 
 

@@ -31,10 +31,8 @@ from torch import Tensor, nn
 
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_sink import HeadHidden
-from tether.objectives import GRPOTokenTerms
 from tether.ops.checks import problems, whole_number
 from tether.ops.registry import lookup
-from tether.train.rewards import Scores
 
 
 # ------------------------------------------------------------------------------ device and dtype
@@ -90,6 +88,7 @@ def load_generator_state(generator: torch.Generator, state: torch.Tensor, source
 
 # ------------------------------------------------------------------------------ ranks
 T = TypeVar("T")
+R = TypeVar("R")  # a dataclass of per-row tensors
 
 
 @dataclass
@@ -140,6 +139,19 @@ class Ranks:
     def rows(self, value: Tensor) -> Tensor:
         """Every rank's rows of ``value`` stacked in rank order (see ``parts``)."""
         return value if self.size == 1 else torch.cat(self.parts(value))
+
+    def all_rows(self, record: R) -> R:
+        """A dataclass of per-row tensors (``[n_r]`` or ``[n_r, T_r]``, None, or a dict of them) with
+        every rank's rows in rank order; a second dimension is zero-padded to the widest rank's."""
+        if self.size == 1:
+            return record
+
+        def joined(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {key: self.rows(v) for key, v in value.items()}
+            return None if value is None else self.rows(value)
+
+        return replace(record, **{f.name: joined(getattr(record, f.name)) for f in fields(record)})
 
     def on_writer(self, fn: Callable[[], T]) -> T | None:
         """``fn()`` on rank 0 alone (its result there, None on the other ranks). When it raises,
@@ -325,18 +337,3 @@ def share_run(run: Any) -> None:
     run.actor.token_budget, run.actor.share_prefix = sys.maxsize, False
 
 
-# ------------------------------------------------------------------------------ whole-batch views
-def gather_scores(ranks: Ranks, scores: Scores) -> Scores:
-    """The step's scores of every rank's rows, in row order."""
-    if ranks.size == 1:
-        return scores
-    correct = None if scores.correct is None else ranks.rows(scores.correct)
-    return Scores(ranks.rows(scores.total), correct, {k: ranks.rows(v) for k, v in scores.per_function.items()})
-
-
-def gather_terms(ranks: Ranks, terms: GRPOTokenTerms) -> GRPOTokenTerms:
-    """Detached per-token terms of every rank's rows (zero-padded to one width, outside ``mask``)."""
-    if ranks.size == 1:
-        return terms
-    values = {f.name: getattr(terms, f.name) for f in fields(terms)}
-    return replace(terms, **{name: None if v is None else ranks.rows(v) for name, v in values.items()})

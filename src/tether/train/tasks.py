@@ -339,14 +339,13 @@ def tool_rollout(run: Any, problems: list[Problem]):
     return batch
 
 
-def tool_metrics(batch) -> dict[str, float]:
+def tool_metrics(episode: Any) -> dict[str, float]:
     """``tool_call_rate``, ``tool_calls_per_episode``, ``tool_error_rate``, ``turns_per_episode``
-    of a multi-turn batch; nothing for a single-turn one."""
+    of a multi-turn batch's ``[B]`` episode counters (``td["episode"]`` or ``StepRecord.episode``);
+    nothing for a single-turn batch (no counters)."""
     from tether.rollout import episode_metrics
 
-    if ("episode", "turns") not in batch.keys(include_nested=True):
-        return {}
-    return episode_metrics(batch["episode"])
+    return episode_metrics(episode) if episode is not None and "turns" in episode.keys() else {}
 
 
 def episode_stats(batch):
