@@ -199,14 +199,6 @@ def newest_intact(run_dir: Path) -> tuple[Path, list[str]]:
     raise CheckpointError(f"{run_dir / 'checkpoints'}: no intact checkpoint: " + " ".join(skipped))
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if path.is_dir() else None
-
-
 def read_state(path: Path) -> dict[str, Any]:
     """``state.json`` of the checkpoint ``path``, with the entries every checkpoint has."""
     try:
