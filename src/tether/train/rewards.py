@@ -24,15 +24,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from tether.models.score_plan import row_slices
+from tether.models.step_record import StepRecord, group_ids
 from tether.train.tasks import Problem, Task, load_user_module
-
-if TYPE_CHECKING:
-    from tether.models.step_record import StepRecord
 
 _RESERVED = ("prompts", "completions", "completion_ids")
 _RM_BATCH = 16
@@ -354,7 +352,7 @@ def samples_from_batch(batch: Any, problems: list[Problem]) -> Samples:
 
 
 # ------------------------------------------------------------------ dynamic sampling
-Draw = Callable[[list[Problem]], "tuple[StepRecord, Scores]"]
+Draw = Callable[[list[Problem]], tuple[StepRecord, Scores]]
 
 
 def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -374,13 +372,11 @@ def resampled_problems(run: Any, step: int, draw: int) -> list[Problem]:
 
 
 def keep_informative(run: Any, step: int, draw: Draw, problems: list[Problem]
-                     ) -> tuple[list[Problem], "StepRecord", Scores, dict[str, float]]:
+                     ) -> tuple[list[Problem], StepRecord, Scores, dict[str, float]]:
     """Sample and score ``problems``; with ``dynamic_sampling``, draw again (every rank as long as any
     rank lacks groups, at most ``max_resample`` times) and keep as many groups as ``problems`` held:
     those whose rewards differ first, in draw order, then equal-reward ones. Metrics: groups drawn
     and groups with differing rewards kept, summed over ranks."""
-    from tether.models.step_record import StepRecord, group_ids
-
     record, scores = draw(problems)
     cfg, size = run.cfg, run.cfg.group_size
     if not cfg.dynamic_sampling:
