@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tether.train.cli import main
-from tether.train.config import TRL_NAMES, TrainConfig, TRLNameNote, config_choices, translate
+from tether.integrations.trl import TRL_NAMES, TRLNameNote, translate
+from tether.train.config import TrainConfig, config_choices
 
 
 def test_unknown_key_suggests_the_closest_field_or_trl_name():
@@ -199,7 +200,7 @@ def test_help_shows_every_choice_fields_names(capsys):
 WARNING_SCRIPT = """
 import warnings
 from tether.train import cli
-from tether.train.config import TRLNameNote
+from tether.integrations.trl import TRLNameNote
 
 def fake_plot(args):
     warnings.warn_explicit("`is_x` is deprecated", FutureWarning, "/lib/transformers/modeling_utils.py", 33,

@@ -1,1 +1,1 @@
-"""Optional bridges to other libraries (imported only when that library is installed)."""
+"""Bridges to other libraries: their APIs (imported only when that library is installed) and their names."""

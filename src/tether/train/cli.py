@@ -4,7 +4,7 @@
 sets ``prompts_per_step``), and their help is the field documentation. ``--config FILE``
 loads a YAML file first; trailing ``key=value`` words override both. ``--resume RUN`` takes
 RUN's config.yaml, and its flags and overrides may change only what a resume may change.
-TRL ``GRPOConfig`` names are accepted as flags and keys (``tether.train.config.TRL_NAMES``).
+TRL ``GRPOConfig`` names are accepted as flags and keys (``tether.integrations.trl.TRL_NAMES``).
 
 A user error (bad command line, bad config, a directory holding another run, a damaged
 checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
@@ -38,7 +38,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, NoReturn
 
-from tether.train.config import LIST_FIELDS, TRL_NAMES, TrainConfig
+from tether.integrations.trl import TRL_NAMES
+from tether.train.config import LIST_FIELDS, TrainConfig
 from tether.train.tasks import TASKS, TaskError
 
 # The recipes ``tether cp`` copies: name -> module of tether.train.

@@ -1,25 +1,17 @@
-"""``TrainConfig``: the one flat configuration of ``tether train``, and TRL's names for its keys.
+"""``TrainConfig``: the one flat configuration of ``tether train``.
 
 Every field carries its help text in ``metadata["help"]``; the CLI builds its flags and
 ``--help`` from them, YAML files use the field names as keys, and ``key=value`` overrides
 apply on top. ``validate()`` reports every problem at once in a single ``ValueError``.
-
-A user coming from TRL writes ``beta: 0.04`` or ``num_generations=8``. ``TRL_NAMES`` says, for
-each common TRL ``GRPOConfig`` name, which tether key holds the same setting (with the value
-translated where the vocabularies differ, e.g. ``loss_type`` -> ``aggregation``), or why tether
-has no such key and what to use instead. ``translate`` applies the table to a mapping of config
-keys: mapped names become tether keys and yield a one-line note each; names without an
-equivalent, untranslatable values, and a TRL name given together with its tether key are
-problems for the caller to raise. Names that are already tether keys (``learning_rate``,
-``temperature``, ``seed``, ``weight_decay``, ``gradient_checkpointing``, ...) never reach it.
+TRL's ``GRPOConfig`` names for the same keys are read through ``tether.integrations.trl``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections import ChainMap
 import warnings
+from collections import ChainMap
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from tether.integrations.trl import TRL_NAMES, TRLNameNote, translate
 from tether.ops.checks import problems, real_number, whole_number
 from tether.ops.registry import lookup
 
@@ -259,7 +252,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
-    from tether.train.metrics import TRACKERS
+    from tether.integrations.trackers import TRACKERS
     from tether.train.run import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
     from tether.train.tasks import PROMPT_FORMATS
@@ -318,181 +311,3 @@ def _convert(raw: Any, kind: type) -> Any:
             return False
         raise ValueError(raw)
     return kind(raw)
-
-
-# ------------------------------------------------------------------------------ TRL's names
-class TRLNameNote(UserWarning):
-    """A TRL config name was read as the tether key that holds the same setting."""
-
-
-@dataclass(frozen=True)
-class TRLName:
-    """One TRL name: the tether key it maps to (``None``: no equivalent) and a note.
-
-    ``values`` translates TRL values to tether values (keys compared lower-cased as text,
-    so ``True``, ``"true"`` and ``"True"`` are one key); ``None`` passes the value through.
-    """
-
-    target: str | None
-    note: str
-    values: Mapping[str, Any] | None = None
-    switch: bool = False  # a TRL boolean: a bare --flag on the command line means true
-
-
-_YES, _NO = ("true", "1", "yes"), ("false", "0", "no")
-
-
-def _flag(on: Any, off: Any) -> dict[str, Any]:
-    return {**dict.fromkeys(_YES, on), **dict.fromkeys(_NO, off)}
-
-
-_FULL_SOFTMAX = ("tether samples from softmax(logits / temperature) untruncated, so the sampling "
-                 "log-probs are the scored policy's own; only temperature is a sampling knob")
-_ONE_ROLLOUT = ("each step samples one batch of prompts_per_step x group_size answers; reuse it for "
-                "several updates with updates_per_rollout")
-
-TRL_NAMES: dict[str, TRLName] = {
-    # --- same setting, another name
-    "beta": TRLName("kl_coef", "TRL's beta is a constant coefficient, while tether's default kl_controller=budget "
-                    "starts from this value and moves it every step to hold the KL at kl_target; pass "
-                    "--kl-controller constant to keep TRL's meaning. TRL's k3 KL term in the loss is tether's "
-                    "default kl_mode=loss, kl_estimator=k3"),
-    "num_generations": TRLName("group_size", "answers sampled per prompt"),
-    "max_completion_length": TRLName("max_new_tokens", "response length limit"),
-    "num_iterations": TRLName("updates_per_rollout", "updates per sampled batch (mu)"),
-    "per_device_train_batch_size": TRLName(
-        "micro_batch_size", "sequences per forward/backward; a step's batch is prompts_per_step x group_size "
-        "sequences, accumulated micro_batch_size at a time"),
-    "epsilon": TRLName("clip_epsilon", "lower (and, without clip_epsilon_high, upper) clip range"),
-    "epsilon_high": TRLName("clip_epsilon_high", "upper clip range (clip-higher)"),
-    "loss_type": TRLName(
-        "aggregation", "tether's token-mean divides by the tokens of the whole step's batch (DAPO); "
-        "dr_grpo divides by max_new_tokens per answer",
-        {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "bnpo": "token-mean",
-         "dr_grpo": "seq-mean-token-sum-norm"}),
-    "scale_rewards": TRLName(
-        "advantage", "group z-score is advantage=grpo, no scaling (Dr. GRPO) is advantage=dr_grpo",
-        {**_flag("grpo", "dr_grpo"), "group": "grpo", "none": "dr_grpo"}),
-    "importance_sampling_level": TRLName("ratio_level", "token (PPO/GRPO) or sequence (GSPO) ratio",
-                                         {"token": "token", "sequence": "sequence"}),
-    "vllm_importance_sampling_clip_max": TRLName("importance_cap", "cap of the tis/mis sampler-mismatch weights"),
-    "vllm_importance_sampling_cap": TRLName("importance_cap", "cap of the tis/mis sampler-mismatch weights (TRL's "
-                                            "older name for vllm_importance_sampling_clip_max)"),
-    "max_steps": TRLName("steps", "optimizer steps"),
-    "save_steps": TRLName("checkpoint_every", "steps between checkpoints"),
-    "save_total_limit": TRLName("keep_checkpoints", "newest checkpoints kept"),
-    "output_dir": TRLName("out", "run directory"),
-    "eval_steps": TRLName("eval_every", "steps between held-out evaluations"),
-    "max_grad_norm": TRLName("grad_clip", "global gradient-norm clip"),
-    "lr_scheduler_type": TRLName("lr_schedule", "schedule after warmup_steps of linear warm-up",
-                                 {"constant": "constant", "constant_with_warmup": "constant",
-                                  "linear": "linear", "cosine": "cosine"}),
-    "bf16": TRLName("dtype", "weights in bfloat16; vocabulary reductions and LoRA factors stay float32",
-                    _flag("bfloat16", "float32"), switch=True),
-    "torch_dtype": TRLName("dtype", "weights' dtype", {"bfloat16": "bfloat16", "float32": "float32"}),
-    "use_cpu": TRLName("device", "device=auto takes a GPU when there is one", _flag("cpu", "auto"), switch=True),
-    "sync_ref_model": TRLName("reference_update", "TR-DPO mixing every reference_every steps is reference_update=ema",
-                              _flag("ema", "fixed"), switch=True),
-    "ref_model_mixup_alpha": TRLName("reference_alpha", "weight of the policy in the reference mix"),
-    "ref_model_sync_steps": TRLName("reference_every", "steps between reference updates"),
-    "model_name_or_path": TRLName("model", "a local directory or a hub id already in the local cache"),
-    "dataset_name": TRLName("dataset", "a local file or saved datasets directory; nothing is downloaded"),
-    "lora_r": TRLName("lora_rank", "LoRA rank (0 trains every weight)"),
-    "lora_target_modules": TRLName("lora_targets", "comma-separated module names"),
-    # --- no equivalent: what to use instead
-    "gradient_accumulation_steps": TRLName(None, "tether accumulates over the whole step's batch of "
-                                           "prompts_per_step x group_size sequences, micro_batch_size at a "
-                                           "time; set prompts_per_step and micro_batch_size"),
-    "num_train_epochs": TRLName(None, "tether counts optimizer steps; set steps"),
-    "logging_steps": TRLName(None, "tether logs every step to metrics.jsonl"),
-    "fp16": TRLName(None, "float16 training needs loss scaling, which tether does not do; use dtype=bfloat16",
-                    switch=True),
-    "delta": TRLName(None, "the two-sided clip bound (INTELLECT-2) has no tether equivalent; dual_clip is "
-                     "the PPO dual clip, a bound on negative-advantage tokens"),
-    "top_p": TRLName(None, _FULL_SOFTMAX),
-    "top_k": TRLName(None, _FULL_SOFTMAX),
-    "min_p": TRLName(None, _FULL_SOFTMAX),
-    "repetition_penalty": TRLName(None, _FULL_SOFTMAX),
-    "generation_batch_size": TRLName(None, _ONE_ROLLOUT),
-    "steps_per_generation": TRLName(None, _ONE_ROLLOUT),
-    "use_vllm": TRLName(None, "tether samples with its own KV-cache sampler, in-process or on Ray workers "
-                        "(workers=N)", switch=True),
-    "mask_truncated_completions": TRLName(None, "truncated answers stay in the loss; raise max_new_tokens",
-                                          switch=True),
-    "top_entropy_quantile": TRLName(None, "every response token is in the loss"),
-    "max_prompt_length": TRLName(None, "prompts are never truncated"),
-    "model_init_kwargs": TRLName(None, "use model, dtype and device"),
-    "disable_dropout": TRLName(None, "dropout is always off: the policy and reference run in eval mode",
-                               switch=True),
-    "cast_lm_head_to_fp32": TRLName(None, "log-softmax, entropy and KL over the vocabulary always run in "
-                                    "float32", switch=True),
-    "gradient_checkpointing_kwargs": TRLName(None, "gradient_checkpointing uses non-reentrant checkpointing "
-                                             "and takes no options"),
-    "log_completions": TRLName(None, "use log_completions_every=K", switch=True),
-    "num_completions_to_print": TRLName(None, "use log_completions_every=K"),
-    "warmup_ratio": TRLName(None, "use warmup_steps (= warmup_ratio x steps)"),
-    "eval_strategy": TRLName(None, "use eval_every=K"),
-    "vllm_importance_sampling_correction": TRLName(None, "use importance_correction=tis or mis", switch=True),
-    "multi_objective_aggregation": TRLName(None, "rewards are summed with reward_weights, then turned into "
-                                           "group advantages (TRL's sum_then_normalize)"),
-    "resume_from_checkpoint": TRLName(None, "use tether train --resume RUN_DIR"),
-    "optim": TRLName(None, "the optimizer is AdamW (learning_rate, weight_decay)"),
-    "use_peft": TRLName(None, "LoRA is on unless lora_rank=0; --adapter PATH continues an existing adapter",
-                        switch=True),
-}
-
-
-@dataclass
-class Translation:
-    """``translate``'s result: the mapping in tether keys, the notes, and the problems."""
-
-    values: dict[str, Any]
-    notes: list[str]
-    problems: list[str]
-    renamed: dict[str, str]  # tether key -> the TRL name it was given as
-
-
-def _translate_one(name: str, entry: TRLName, raw: Any, fields: Collection[str]) -> tuple[Any, str]:
-    """``(tether value, note)``; raises ``ValueError`` with the problem."""
-    if entry.target is None:
-        raise ValueError(f"{name} (a TRL GRPOConfig name) has no tether equivalent: {entry.note}")
-    if entry.target not in fields:
-        raise ValueError(f"{name} (TRL) corresponds to tether's {entry.target}, which this tether version lacks")
-    value = raw
-    if entry.values is not None:
-        text = str(raw).lower()
-        if text not in entry.values:
-            raise ValueError(f"{name} (TRL, -> {entry.target}): expected one of {sorted(set(entry.values))}, got "
-                             f"{raw!r}; other values have no tether equivalent")
-        value = entry.values[text]
-    return value, f"TRL's {name}={raw} read as {entry.target}={value} ({entry.note})"
-
-
-def translate(values: Mapping[str, Any], fields: Collection[str],
-              table: Mapping[str, TRLName] = TRL_NAMES) -> Translation:
-    """Replace TRL names in ``values`` by the tether keys in ``fields`` that hold the same setting.
-
-    Keys that are tether fields, or neither fields nor TRL names, pass through unchanged (the
-    caller reports unknown keys). A TRL name and its tether key in the same mapping, or two
-    TRL names for one key, are a problem rather than a silent choice.
-    """
-    out: dict[str, Any] = {k: v for k, v in values.items() if k in fields or k not in table}
-    notes, problems = [], []
-    source: dict[str, str] = {k: k for k in out}
-    for name, raw in values.items():
-        if name in out or name not in table:
-            continue
-        try:
-            value, note = _translate_one(name, table[name], raw, fields)
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        target = table[name].target
-        if target in source:
-            problems.append(f"{name} (TRL name for {target}) and {source[target]} both given; keep one")
-            continue
-        out[target], source[target] = value, name
-        notes.append(note)
-    renamed = {target: name for target, name in source.items() if target != name}
-    return Translation(out, notes, problems, renamed)
-

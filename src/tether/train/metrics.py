@@ -1,11 +1,9 @@
 """What a run reports: each step's record, the held-out evaluation, the summary and the plots.
 
-``metrics.jsonl`` holds one JSON line per step (``MetricsLog``). ``report_to`` names more sinks
-from ``TRACKERS``, comma-separated: TensorBoard (``RUN/tensorboard/``), wandb (``RUN/wandb/``;
-``WANDB_MODE=offline`` needs no network), MLflow (``MLFLOW_TRACKING_URI`` or ``RUN/mlflow.db``);
-each gets every numeric value of each record under its own key, with the step as its x-axis, and
-the logged completions as a table. ``log_completions_every = K`` writes the first
-``COMPLETION_ROWS`` rows of every K-th step's batch to ``RUN/completions.jsonl`` and the trackers.
+``metrics.jsonl`` holds one JSON line per step (``MetricsLog``); the trackers ``report_to`` names
+(``tether.integrations.trackers``) get the same values. ``log_completions_every = K`` writes the
+first ``COMPLETION_ROWS`` rows of every K-th step's batch to ``RUN/completions.jsonl`` and the
+trackers.
 
 The held-out evaluation scores greedy answers with the run's reward (accuracy only for tasks that
 define correctness) and measures the exact full-vocabulary KL(pi || pi_ref) at every answer token:
@@ -20,12 +18,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,7 +28,6 @@ from torch import nn
 from tether.models import TransformersWrapper
 from tether.models.score_plan import row_slices
 from tether.models.scoring import exact_kl_tokens
-from tether.ops.registry import lookup
 from tether.train.checkpoint import due
 from tether.train.config import TrainConfig
 from tether.train.rewards import RewardError, TaskScorer, samples_from_batch, with_checkpoints
@@ -267,190 +261,11 @@ def plot_metrics(run_dir: Path) -> list[Path]:
     return written
 
 
-# ------------------------------------------------------------------------------ trackers and completions
-# The logged completions put a whole group first, so the spread of rewards within a group is visible.
-# A resume cuts ``completions.jsonl`` and TensorBoard back to the checkpoint's step, as it does
-# ``metrics.jsonl``; wandb and MLflow continue the same run (its id is kept in the run directory) and,
-# having no way to delete points, hold the recomputed steps twice.
+# ------------------------------------------------------------------------------ logged completions
+# The logged completions put a whole group first, so the spread of rewards within a group is visible;
+# they go to ``completions.jsonl`` and to the run's trackers (``tether.integrations.trackers``).
 COMPLETIONS_FILE = "completions.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 COMPLETION_ROWS = 8
-COMPLETION_COLUMNS = ("prompt", "completion", "reward")
-
-
-class NullTracker:
-    """``report_to: none``: nothing beyond ``metrics.jsonl`` and ``completions.jsonl``."""
-
-    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
-        pass
-
-    def scalars(self, record: dict[str, Any]) -> None:
-        pass
-
-    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class TensorBoardTracker:
-    """Event files in ``RUN/tensorboard/`` through ``torch.utils.tensorboard`` (needs ``tensorboard``)."""
-
-    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
-        SummaryWriter = _need("tensorboard", "torch.utils.tensorboard", "tensorboard").SummaryWriter
-        # purge_step drops the events of steps a resume recomputes, as metrics.jsonl is cut back.
-        purge = None if resume_step is None else resume_step + 1
-        self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=purge)
-
-    def scalars(self, record: dict[str, Any]) -> None:
-        step = record["step"]
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(key, float(value), global_step=step)
-        self.writer.flush()
-
-    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        self.writer.add_text("completions", completions_markdown(rows), global_step=step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _numbers(record: dict[str, Any]) -> dict[str, float]:
-    return {key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
-
-
-def _run_id(path: Path, new: Callable[[], str]) -> str:
-    """The tracker run id kept in ``path`` (a resume continues that run), or a new one."""
-    if not path.is_file():
-        path.write_text(new())
-    return path.read_text().strip()
-
-
-class WandbTracker:
-    """A Weights & Biases run in ``RUN/wandb/`` (project ``WANDB_PROJECT`` or ``tether``), its id in
-    ``RUN/wandb_run_id``; the run's config is the wandb config."""
-
-    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
-        wandb = _need("wandb", "wandb", "wandb")
-        run_id = _run_id(run_dir / "wandb_run_id", lambda: uuid.uuid4().hex[:12])
-        try:
-            self.run = wandb.init(dir=str(run_dir), project=os.environ.get("WANDB_PROJECT", "tether"),
-                                  name=run_dir.name, id=run_id, resume="allow", config=config,
-                                  settings=wandb.Settings(console="off"))
-        except Exception as exc:  # wandb raises its own types (no API key, no network)
-            raise RuntimeError(f"report_to: wandb could not start a run ({exc}); log in with `wandb login`, "
-                               "or set WANDB_MODE=offline to write it to RUN/wandb/ and `wandb sync` it later.") from exc
-        self.wandb = wandb
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
-
-    def scalars(self, record: dict[str, Any]) -> None:
-        self.run.log({"step": record["step"], **_numbers(record)})
-
-    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.wandb.Table(columns=list(COMPLETION_COLUMNS), data=[[r[c] for c in COMPLETION_COLUMNS] for r in rows])
-        self.run.log({"step": step, "completions": table})
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class MlflowTracker:
-    """An MLflow run (experiment ``MLFLOW_EXPERIMENT_NAME`` or ``tether``) in ``MLFLOW_TRACKING_URI``,
-    or else in ``RUN/mlflow.db`` with artifacts in ``RUN/mlartifacts/``; its id in ``RUN/mlflow_run_id``.
-    The run's config goes in as parameters, completions as ``completions/step_NNNNNN.json`` tables."""
-
-    def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
-        MlflowClient = _need("mlflow", "mlflow", "mlflow").MlflowClient
-        from mlflow.entities import Metric, Param
-
-        self.metric = Metric
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
-        artifacts = None if uri else (run_dir / "mlartifacts").resolve().as_uri()
-
-        def new_run() -> str:
-            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "tether")
-            found = self.client.get_experiment_by_name(name)
-            experiment = found.experiment_id if found else self.client.create_experiment(name, artifact_location=artifacts)
-            run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-            self.client.log_batch(run_id, params=[Param(k, str(v)) for k, v in (config or {}).items()])
-            return run_id
-
-        self.run_id = _run_id(run_dir / "mlflow_run_id", new_run)
-        self.client.update_run(self.run_id, status="RUNNING")
-
-    def scalars(self, record: dict[str, Any]) -> None:
-        now = int(time.time() * 1000)
-        metrics = [self.metric(key, value, now, record["step"]) for key, value in _numbers(record).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
-
-    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = {c: [r[c] for r in rows] for c in COMPLETION_COLUMNS}
-        self.client.log_table(self.run_id, data=table, artifact_file=f"completions/step_{step:06d}.json")
-
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
-
-
-class Trackers:
-    """Several trackers as one: each call goes to each, in ``report_to``'s order."""
-
-    def __init__(self, trackers: list[Any]) -> None:
-        self.trackers = trackers
-
-    def scalars(self, record: dict[str, Any]) -> None:
-        for tracker in self.trackers:
-            tracker.scalars(record)
-
-    def completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        for tracker in self.trackers:
-            tracker.completions(step, rows)
-
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
-
-
-TRACKERS: dict[str, Callable[..., Any]] = {"none": NullTracker, "tensorboard": TensorBoardTracker,
-                                          "wandb": WandbTracker, "mlflow": MlflowTracker}
-
-
-def tracker_names(report_to: str) -> list[str]:
-    """The tracker names of a ``report_to`` value: comma-separated, ``none`` meaning no tracker."""
-    return [name.strip() for name in report_to.split(",") if name.strip() not in ("", "none")]
-
-
-def make_tracker(report_to: str, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> Any:
-    """The trackers ``report_to`` names (``TRACKERS``), opened on ``run_dir``."""
-    return Trackers([lookup(TRACKERS, name, "report_to")(run_dir, resume_step=resume_step, config=config)
-                     for name in tracker_names(report_to)])
-
-
-def _need(extra: str, module: str, package: str) -> Any:
-    """Import ``module`` for ``report_to: extra``, or say which package to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"report_to: {extra!r} needs the {package} package, which is not installed; "
-                          f"pip install 'tether[{extra}]' (or {package}), or leave {extra} out of report_to.") from exc
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def completions_markdown(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of the rows (TensorBoard renders text summaries as Markdown)."""
-    lines = ["| prompt | completion | reward |", "|---|---|---|"]
-    lines += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['reward']:.4g} |" for r in rows]
-    return "\n".join(lines)
 
 
 def log_completions(run: Any, done: int, prompts: list[str], answers: list[str], rewards: Any, correct: Any) -> None:

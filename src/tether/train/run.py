@@ -35,15 +35,15 @@ from torch import nn
 
 from tether._compat import enable_gradient_checkpointing
 from tether.control import KLController, make_kl_controller
-from tether.ops.registry import lookup
+from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
 from tether.models.reference_line import ReferenceLine
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+from tether.ops.registry import lookup
 from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, open_checkpoint,
                                      periodic_eval, save_checkpoint, start_new_run, write_config)
 from tether.train.config import TrainConfig
-from tether.train.metrics import (CompletionLog, MetricsLog, NullTracker, evaluate_run, make_tracker, plot_metrics,
-                                  summarize)
+from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_metrics, summarize
 from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
