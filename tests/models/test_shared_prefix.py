@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tether.models import TransformersWrapper
-from tether.models.scoring import score_tokens
+from tether.models.scoring import ACCELERATOR_TOKEN_BUDGET, DEFAULT_TOKEN_BUDGET, default_layout, score_tokens
 from tether.models.shared_prefix import plan_prefix_split
 from tests.helpers import make_tiny_model, make_tokenizer
 
@@ -211,8 +211,18 @@ def test_wrapper_shares_by_default_and_can_opt_out(model64):
     tokens, mask = grpo_batch([5, 3], group=3, max_response=3)
     on = TransformersWrapper(model64, input_mode="tokens", generate=False)
     off = TransformersWrapper(model64, input_mode="tokens", generate=False, share_prefix=False)
-    assert on.share_prefix and not off.share_prefix
+    assert on.share_prefix is None and not off.share_prefix  # None: by the device, shared on a CPU
+    shared = score_tokens(model64, tokens, mask, share_prefix=True, token_budget=DEFAULT_TOKEN_BUDGET).log_probs
+    assert torch.equal(on.score(tokens, mask).log_probs, shared)
     torch.testing.assert_close(on.score(tokens, mask).log_probs, off.score(tokens, mask).log_probs, rtol=0, atol=1e-12)
+
+
+def test_the_default_layout_by_device():
+    """A CPU scores in small forwards with shared prompts; an accelerator (launch-bound) in few
+    large ones without the column-by-column prompt search."""
+    assert default_layout(torch.device("cpu")) == (DEFAULT_TOKEN_BUDGET, True) == (1024, True)
+    assert default_layout(torch.device("cuda", 0)) == (ACCELERATOR_TOKEN_BUDGET, False) == (32768, False)
+    assert default_layout(torch.device("meta")) == (32768, False)
 
 
 def test_holes_in_a_row_are_refused_as_in_plain_scoring(model64):

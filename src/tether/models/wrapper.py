@@ -42,7 +42,7 @@ from tether.models.batch_io import (
 from tether.models.chat import tokenize_chats
 from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.score_sink import HeadHidden, ScoredTokens
-from tether.models.scoring import DEFAULT_TOKEN_BUDGET, score_tokens
+from tether.models.scoring import default_layout, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import PADDING_SIDES, TokenStats
 from tether.ops.masks import pad_rows, position_ids
@@ -122,9 +122,11 @@ class TransformersWrapper(TensorDictModuleBase):
         device: device the model runs on (default: where its parameters are).
         padding_side: side of the padding in padded outputs.
         token_budget: most tokens in one scoring forward pass (real tokens when packed,
-            ``rows * longest_row`` when right-padded; see ``score_tokens``).
+            ``rows * longest_row`` when right-padded; see ``score_tokens``). None: by the
+            model's device (``tether.models.scoring.default_layout``).
         share_prefix: when rows share a prompt (GRPO groups), score each distinct prompt
             once and the responses on top of its cache (``tether.models.shared_prefix``).
+            None: on a CPU only (``default_layout``).
         eos_token_id, pad_token_id: override the ids found on the tokenizer / model configs
             (``tether.models.special_ids``); a model with no pad id anywhere needs
             ``pad_token_id`` (the eos id is a common choice).
@@ -145,8 +147,8 @@ class TransformersWrapper(TensorDictModuleBase):
         chunk_size: int | None = None,
         device: torch.device | str | None = None,
         padding_side: str = "left",
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
-        share_prefix: bool = True,
+        token_budget: int | None = None,
+        share_prefix: bool | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
     ) -> None:
@@ -198,15 +200,16 @@ class TransformersWrapper(TensorDictModuleBase):
         (score only some positions, keep their hidden states, exact KL against another
         model's). Differentiable when grad mode is on; the result lives on the model's device.
         """
+        budget, share = default_layout(self.device)
         return score_tokens(
             self.model,
             tokens.to(self.device),
             attention_mask.to(self.device),
             temperature=self.temperature,
             chunk_size=self.chunk_size,
-            token_budget=self.token_budget,
+            token_budget=budget if self.token_budget is None else self.token_budget,
             with_entropy=with_entropy,
-            share_prefix=self.share_prefix,
+            share_prefix=share if self.share_prefix is None else self.share_prefix,
             where=None if where is None else where.to(self.device),
             keep_hidden=keep_hidden,
             kl_to=kl_to,
