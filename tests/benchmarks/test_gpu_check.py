@@ -166,7 +166,7 @@ def test_split_refuses_a_size_that_is_not_positive(tmp_path):
 
 
 # ------------------------------------------------------------------------------ two calls on one machine
-def _two_call_setup(tmp_path, monkeypatch):
+def _two_call_setup(tmp_path, monkeypatch, bench_least_s: float = 20.0):
     """gpu_check.run with CUDA faked, quick stand-in stages, and an install that stashes and joins
     the carried parts of a small fake wheel; returns ``(call, ran)``."""
     ran, model = [], {"ready": False}
@@ -184,7 +184,7 @@ def _two_call_setup(tmp_path, monkeypatch):
         gpu_check.Stage("install", 60, install, needs_cuda=False),
         gpu_check.Stage("cuda-tests", 60, stage("cuda-tests")),
         gpu_check.Stage("train", 60, stage("train"), needs_model=True),
-        gpu_check.Stage("bench-default", 60, stage("bench-default"), needs_model=True),
+        gpu_check.Stage("bench-default", 60, stage("bench-default"), needs_model=True, least_s=bench_least_s),
     ))
     monkeypatch.setattr(gpu_check.Check, "model_ready", lambda self: model["ready"])
     monkeypatch.setattr(gpu_check, "device_facts", lambda cuda: {"cuda_available": cuda})
@@ -192,7 +192,7 @@ def _two_call_setup(tmp_path, monkeypatch):
     built = tmp_path / "built"
     gpu_check.split_wheel(_wheel(tmp_path, 300_000), built, part_mib=0.2)
 
-    def call(part: str, name: str, stash: str = "stash") -> tuple[int, dict]:
+    def call(part: str, name: str, stash: str = "stash", budget_s: float = 520.0) -> tuple[int, dict]:
         model["ready"] = False  # each call is a new process
         wheels = tmp_path / name / "wheels"
         (wheels / "model").mkdir(parents=True)
@@ -200,7 +200,7 @@ def _two_call_setup(tmp_path, monkeypatch):
             (wheels / "model" / file).write_bytes((built / file).read_bytes())
         out = tmp_path / name / "out"
         args = gpu_check.parse_args(["--out", str(out), "--wheels", str(wheels), "--stash", str(tmp_path / stash),
-                                     "--work", str(tmp_path / name / "work")])
+                                     "--work", str(tmp_path / name / "work"), "--budget-s", str(budget_s)])
         return gpu_check.run(args), json.loads((out / "gpu_check.json").read_text())
 
     return call, ran
@@ -227,6 +227,18 @@ def test_a_cold_second_machine_runs_what_it_can_and_says_which_part_is_missing(t
     assert rc == 0 and ran == ["cuda-tests", "cuda-tests"]
     assert second["stages"]["bench-default"]["status"] == "skipped"
     assert "['part-0']" in second["stages"]["bench-default"]["reason"]
+
+
+def test_a_stage_whose_least_time_exceeds_the_budget_left_is_not_started(tmp_path, monkeypatch):
+    """A bench started with too little budget times every variant out and spends the call (H200,
+    129 s for the 1B bench); with less left than its ``least_s`` it is skipped and says why."""
+    call, ran = _two_call_setup(tmp_path, monkeypatch, bench_least_s=200.0)
+    call("part-0", "call-1", budget_s=150)
+    rc, second = call("part-1", "call-2", budget_s=150)
+    assert rc == 0 and ran == ["cuda-tests", "train"]
+    record = second["stages"]["bench-default"]
+    assert record["status"] == "skipped" and "needs at least 200 s" in record["reason"]
+    assert "give it a call of its own" in record["reason"]
 
 
 # ------------------------------------------------------------------------------ selection and model size
