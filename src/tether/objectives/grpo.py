@@ -52,6 +52,25 @@ RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 
 # TorchRL's spellings of the aggregation modes that tether also has.
 _AGGREGATION_ALIASES = {"token_mean": "token-mean", "prompt_mean": "seq-mean-token-mean"}
+# TorchRL 0.14's masking_strategy -> the mask the loss trains on. "sft" (the response after the
+# prompt) is the assistant mask here: tether never trains on tool or user tokens of later turns.
+_MASKING_STRATEGIES = {"sft": GRPOKeys.loss_mask, "rlhf": GRPOKeys.loss_mask, "generic": None}
+
+
+def _refuse_torchrl_only(kl_mask_threshold: object, reduction: object) -> None:
+    """TorchRL 0.14 keywords tether has no equivalent for, refused by name with the change to make."""
+    if kl_mask_threshold is not None:
+        raise TypeError(
+            f"GRPOLoss: kl_mask_threshold={kl_mask_threshold!r} (TorchRL 0.14's per-token KL mask) is not "
+            "supported; drop it. tether holds the KL with a controller instead (tether.control, "
+            "kl_controller='budget' in tether train)."
+        )
+    if reduction not in (None, "mean"):
+        raise TypeError(
+            f"GRPOLoss: reduction={reduction!r} is not supported (TorchRL applies it after the aggregation; "
+            "tether's losses are already reduced by `aggregation`). Drop it, and for per-token values "
+            "use GRPOLoss.token_terms(batch)."
+        )
 
 
 def _optional_kl_coef(name: str, value: Any) -> float | None:
@@ -101,6 +120,10 @@ class GRPOLoss(nn.Module):
         importance_cap: the TIS / MIS threshold (> 0).
         normalizer: the constant per-row divisor of ``"seq-mean-token-sum-norm"`` (e.g.
             the maximal response length, Dr. GRPO).
+        masking_strategy: TorchRL 0.14's choice of trained tokens: ``"sft"`` and ``"rlhf"``
+            the assistant mask (tether's default), ``"generic"`` every valid token that has a
+            prediction (``tensor_keys.loss_mask`` None). ``kl_mask_threshold`` and a ``reduction`` other than ``"mean"``
+            (TorchRL 0.14) are refused by name with the change to make.
 
     ``forward(td, *, denominator=None)`` returns a ``GRPOLossOutput``. ``denominator``
     replaces the outer count of the aggregation (see ``tether.ops.aggregate_denominator``):
@@ -131,8 +154,14 @@ class GRPOLoss(nn.Module):
         importance_correction: str | None = None,
         importance_cap: float = 2.0,
         normalizer: float | None = None,
+        masking_strategy: str | None = None,
+        kl_mask_threshold: float | None = None,
+        reduction: str | None = None,
     ) -> None:
         super().__init__()
+        _refuse_torchrl_only(kl_mask_threshold, reduction)
+        if masking_strategy is not None:
+            lookup(_MASKING_STRATEGIES, masking_strategy, "masking_strategy")
         if not callable(getattr(actor_network, "score", None)):
             raise TypeError(
                 f"actor_network must have a score(tokens, attention_mask, *, with_entropy) method, as "
@@ -160,6 +189,8 @@ class GRPOLoss(nn.Module):
         self.importance_cap = importance_cap
         self.device = None if device is None else torch.device(device)
         self._tensor_keys = GRPOKeys()
+        if masking_strategy is not None:  # train on the mask the strategy names
+            self._tensor_keys = dataclasses.replace(self._tensor_keys, loss_mask=_MASKING_STRATEGIES[masking_strategy])
         self._validate_by_dry_run()
 
     def _validate_by_dry_run(self) -> None:
@@ -195,7 +226,8 @@ class GRPOLoss(nn.Module):
     @property
     def in_keys(self) -> list:
         keys = self._tensor_keys
-        found = [keys.action, keys.attention_mask, keys.loss_mask, keys.sample_log_prob, keys.advantage]
+        found = [keys.action, keys.attention_mask, *([keys.loss_mask] if keys.loss_mask else []),
+                 keys.sample_log_prob, keys.advantage]
         return found + ([keys.ref_log_probs] if self.kl_to_ref_coeff is not None else [])
 
     @property

@@ -35,7 +35,7 @@ class GRPOKeys:
     advantage: NestedKey = "advantage"
     action: NestedKey = ("tokens", "full")
     attention_mask: NestedKey = ("masks", "all_attention_mask")
-    loss_mask: NestedKey = ("masks", "all_assistant_mask")
+    loss_mask: NestedKey | None = ("masks", "all_assistant_mask")  # None: every predicted valid token
     sample_log_prob: NestedKey = ("log_probs", "full")
     ref_log_probs: NestedKey = ("ref_log_probs", "full")
     old_log_probs: NestedKey = ("old_log_probs", "full")
@@ -191,16 +191,20 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"tensordict: expected a TensorDict, got {type(td).__name__}.")
     tokens, attention, nested = _tokens(td, keys)
-    loss_mask = _fetch(td, keys.loss_mask, "the mask of the tokens to train on", "Set it with loss.set_keys(loss_mask=...).")
-    loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested)
-    check_same_device(repr(keys.loss_mask), loss_mask, repr(keys.action), attention)
-    mask = check_mask(repr(keys.loss_mask), loss_mask) & attention
     first, _ = row_runs(attention)
-    if bool(mask.gather(1, first[:, None]).any()):
-        raise ValueError(
-            f"{keys.loss_mask!r}: the mask covers the first token of a row, which has no prediction "
-            "(no log-prob). Train on response tokens only."
-        )
+    if keys.loss_mask is None:  # every valid token that has a prediction (TorchRL's "generic" masking)
+        mask = attention.scatter(1, first[:, None], False)
+    else:
+        loss_mask = _fetch(td, keys.loss_mask, "the mask of the tokens to train on",
+                           "Set it with loss.set_keys(loss_mask=...).")
+        loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested)
+        check_same_device(repr(keys.loss_mask), loss_mask, repr(keys.action), attention)
+        mask = check_mask(repr(keys.loss_mask), loss_mask) & attention
+        if bool(mask.gather(1, first[:, None]).any()):
+            raise ValueError(
+                f"{keys.loss_mask!r}: the mask covers the first token of a row, which has no prediction "
+                "(no log-prob). Train on response tokens only."
+            )
     sample = _fetch(td, keys.sample_log_prob, "the sampling log-probs", "They are written at generation time.")
     if sample.requires_grad:
         raise ValueError(

@@ -86,6 +86,10 @@ class MCAdvantage(nn.Module):
         std: ``"unbiased"`` or ``"population"`` spread for ``grpo``.
         reward_to_go: per-token returns instead of per-entry rewards (per-token KL shaping).
         mask_key: valid-entry mask of padded per-token rewards.
+        trajectory_return: TorchRL 0.14's keyword; only its default, None, is accepted.
+
+    ``prompt_key`` defaults to the seed's ``"text"``; TorchRL 0.14 reads ``"query"``
+    (pass ``prompt_key="query"``; a missing ``"text"`` next to a ``"query"`` says so).
     """
 
     def __init__(
@@ -101,8 +105,15 @@ class MCAdvantage(nn.Module):
         std: str = "unbiased",
         reward_to_go: bool = False,
         mask_key: NestedKey = ("masks", "all_assistant_mask"),
+        trajectory_return: str | None = None,
     ) -> None:
         super().__init__()
+        if trajectory_return is not None:
+            raise TypeError(
+                f"MCAdvantage: trajectory_return={trajectory_return!r} (TorchRL 0.14's per-trajectory return) is "
+                "not supported; drop it. Each step's reward is normalised over the group's steps, as with "
+                "TorchRL's default (None); per-token KL-shaped rewards take reward_to_go=True."
+            )
         whole_number("grpo_size", grpo_size, low=2,
                      fix="It counts the trajectories per prompt; a group of one has no baseline (its "
                          "advantage is 0 in every mode), so nothing would be learnt.")
@@ -214,7 +225,13 @@ class MCAdvantage(nn.Module):
 
     # ------------------------------------------------------------------ grouping
     def _group_key(self, traj: TensorDictBase) -> str:
-        prompt = fetch(traj[0], self.prompt_key, "the prompt")
+        first = traj[0]
+        if self.prompt_key == "text" and not has_key(first, "text") and has_key(first, "query"):
+            raise KeyError(
+                "'text': MCAdvantage's prompt_key defaults to the seed's 'text', and this trajectory has "
+                "'query' instead (TorchRL 0.14's default). Pass MCAdvantage(..., prompt_key='query')."
+            )
+        prompt = fetch(first, self.prompt_key, "the prompt")
         if isinstance(prompt, (NonTensorData, NonTensorStack)):
             prompt = prompt.tolist()
         if isinstance(prompt, TensorDictBase):
