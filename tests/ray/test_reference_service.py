@@ -66,6 +66,20 @@ def test_concurrent_callers_share_one_forward_and_get_their_own_rows():
         service.shutdown()
 
 
+def test_a_tokenizers_integer_mask_scores_like_the_bool_mask():
+    """Guarantees promise 0/1 integer masks (a tokenizer's int64 attention mask): the client sends
+    it as bool, so the reply equals the bool mask's reply bit for bit and local scoring (1e-6)."""
+    tokens, mask = token_batch(PROMPTS, "left")
+    service = ReferenceService(ref_model_factory=reference_scorer, max_wait_ms=0)
+    try:
+        client = service.client()
+        as_int, as_bool = client.score(tokens, mask.long()), client.score(tokens, mask)
+        assert torch.equal(as_int, as_bool)
+        torch.testing.assert_close(as_int, local_log_probs(tokens, mask), rtol=0, atol=1e-6)
+    finally:
+        service.shutdown()
+
+
 def distinct_requests(names: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Three left-padded rows per name, every row's tokens distinct from every other's."""
     chats = [[{"role": "user", "content": f"question {name}{i}"}] for name in names for i in range(3)]
@@ -176,9 +190,13 @@ def built_logged(factory, log_path: str):
 
 
 def test_a_service_that_cannot_be_placed_times_out_with_the_reason():
-    """64 CPUs on a 2-CPU cluster: Ray would keep the actor pending for ever."""
-    with pytest.raises(TimeoutError, match=r"ReferenceService: not ready after 1 s.*'num_cpus': 64.0.*free now"):
-        ReferenceService(ref_model_factory=reference_scorer, num_cpus=64, ready_timeout_s=1)
+    """64 CPUs on a 2-CPU cluster: Ray would keep the actor pending for ever, so the constructor
+    refuses at once (well inside the 300 s default wait) and names what the cluster has."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"ReferenceService: the actor asked for .*'num_cpus': 64.0.*whole Ray cluster "
+                                         r"has \{'CPU': 2.0.*could never be placed"):
+        ReferenceService(ref_model_factory=reference_scorer, num_cpus=64)
+    assert time.monotonic() - start < 60
 
 
 def test_a_request_with_ids_past_the_vocabulary_fails_alone():
@@ -211,8 +229,11 @@ def test_a_request_with_ids_past_the_vocabulary_fails_alone():
         assert sorted(service.stats().answered_ids) == ["A", "C"]  # B was never queued
 
         float_mask = ScoreRequest("float-mask", tokens_a, mask_a.double())
-        with pytest.raises(TypeError, match="a bool mask.*mask.bool"):
+        with pytest.raises(TypeError, match=r"mask must be a bool \(or 0/1 integer\) mask, got dtype torch.float64"):
             ray.get(client.send(float_mask), timeout=60)
+        int_mask = ScoreRequest("int-mask", tokens_a, mask_a.long())  # the client converts; a hand-made request must not
+        with pytest.raises(TypeError, match="request 'int-mask': ScoreRequest.mask must be bool, got torch.int64"):
+            ray.get(client.send(int_mask), timeout=60)
         with pytest.raises(TypeError, match="request: expected a tether.ray.ScoreRequest.*got str"):
             ray.get(service.actor.score.remote("tokens"), timeout=60)
     finally:
@@ -267,8 +288,10 @@ def test_request_errors_name_the_argument():
     tokens, mask = token_batch(PROMPTS, "left")
     with pytest.raises(ValueError, match=r"tokens/mask: expected two \[B, T\] tensors of the same shape"):
         client.submit(tokens, mask[:, 1:])
-    with pytest.raises(TypeError, match="a bool mask.*mask.bool"):
-        client.submit(tokens, mask.long())
+    with pytest.raises(TypeError, match=r"mask must be a bool \(or 0/1 integer\) mask, got dtype torch.float64"):
+        client.submit(tokens, mask.double())
+    with pytest.raises(ValueError, match=r"mask must hold only 0 and 1, got values in \[0, 2\]"):
+        client.submit(tokens, mask.long() * 2)
     with pytest.raises(ValueError, match="max_attempts: expected an int >= 1"):
         ReferenceClient(actor=None, max_attempts=0)
     with pytest.raises(ValueError, match="group='g', group_rows=None: expected both or neither"):

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tether.ops._vocab_checks import check_mask
 from tether.ops.checks import whole_number
 from tether.llm.retrieve_kl import resolve_reference
 
@@ -57,8 +58,9 @@ def check_group(group: Any, group_rows: Any, rows: int) -> None:
                      fix=f"It is the total rows of the group's requests, at least this request's {rows}.")
 
 
-def check_batch(tokens: Any, mask: Any) -> None:
-    """``tokens`` integer ``[B, T]`` and ``mask`` bool of the same shape."""
+def check_batch(tokens: Any, mask: Any) -> Tensor:
+    """``tokens`` integer ``[B, T]`` and ``mask`` of the same shape, bool or 0/1 integers (a
+    tokenizer's attention mask); returns the mask as bool."""
     if not isinstance(tokens, Tensor) or not isinstance(mask, Tensor):
         raise TypeError(
             f"tokens/mask: expected two tensors, got {type(tokens).__name__} and {type(mask).__name__}."
@@ -68,12 +70,9 @@ def check_batch(tokens: Any, mask: Any) -> None:
             f"tokens/mask: expected two [B, T] tensors of the same shape, got {tuple(tokens.shape)} "
             f"and {tuple(mask.shape)}. Pass the batch's ('tokens', 'full') and its attention mask."
         )
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool \
-            or mask.dtype != torch.bool:
-        raise TypeError(
-            f"tokens/mask: expected integer token ids and a bool mask, got {tokens.dtype} and "
-            f"{mask.dtype}. Convert the mask with mask.bool()."
-        )
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens: expected integer token ids, got {tokens.dtype}. Pass the batch's token ids.")
+    return check_mask("mask", mask)
 
 
 def check_token_range(tokens: Tensor, mask: Tensor, vocab: int | None, what: str) -> None:

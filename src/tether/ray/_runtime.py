@@ -215,9 +215,19 @@ def wait_ready(refs: list, *, what: str, timeout_s: float, resources: dict[str, 
     """``get_within`` for actors' first calls: the error says why an actor may never come up.
 
     Ray keeps an actor pending, silently, while the cluster lacks the resources it asked for,
-    so an unbounded wait would hang the caller.
+    so an unbounded wait would hang the caller; a request over the whole cluster's resources
+    fails at once (``ValueError``) instead of after ``timeout_s``.
     """
     check_seconds("ready_timeout_s", timeout_s)
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    if resources["num_cpus"] > total.get("CPU", 0.0) or resources["num_gpus"] > total.get("GPU", 0.0):
+        if on_timeout is not None:
+            on_timeout()
+        raise ValueError(
+            f"{what}: the actor asked for {resources} and the whole Ray cluster has {total}, so it could never "
+            "be placed (Ray would keep it pending). Ask for less (on a CPU machine: num_gpus=0, device='cpu'), "
+            "or start the cluster with the resources (a cluster that adds nodes on demand: have one such node up)."
+        )
 
     def fix() -> str:
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}

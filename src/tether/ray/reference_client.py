@@ -181,7 +181,7 @@ class ReferenceClient:
         composition, and hence its float rounding, reproducible. ``group`` / ``group_rows``:
         see ``ScoreRequest``.
         """
-        check_batch(tokens, mask)
+        mask = check_batch(tokens, mask)
         check_group(group, group_rows, tokens.shape[0])
         device = self.device or tokens.device
         rid = self.new_request_id() if request_id is None else str(request_id)

@@ -142,6 +142,9 @@ class ReferenceServer:
                 f"{type(request).__name__}. Send requests through ReferenceClient.submit."
             )
         check_batch(request.tokens, request.mask)
+        if request.mask.dtype != torch.bool:  # ReferenceClient.submit converts 0/1 masks; a hand-made request must
+            raise TypeError(f"request {request.request_id!r}: ScoreRequest.mask must be bool, got {request.mask.dtype}; "
+                            "send requests through ReferenceClient.submit, which converts a 0/1 integer mask.")
         check_group(request.group, request.group_rows, request.tokens.shape[0])
 
     def _count_arrival(self, group: str, rows: int) -> None:
