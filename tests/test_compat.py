@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+import pytest
 
 from tether._compat import TESTED, version_problems
 
@@ -31,3 +32,26 @@ def test_pyproject_bounds_match_the_tested_ranges():
     text = PYPROJECT.read_text()
     for name, (low, high) in TESTED.items():
         assert re.search(rf'"{name}>={re.escape(low)},<{re.escape(high)}"', text), name
+
+
+def test_peft_model_hides_only_transformers_deprecation_of_peft_s_own_call():
+    """PEFT reads ``is_gradient_checkpointing``, which transformers 5 deprecates with a FutureWarning
+    printed on every LoRA run; ``_compat.peft_model`` wraps the same model without it."""
+    import warnings
+
+    import peft
+
+    from tether._compat import peft_model
+    from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+
+    def future_warnings(build) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build(tiny_causal_lm(byte_tokenizer(), seed=0), lora)
+        return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+    if not any("is_gradient_checkpointing" in m for m in future_warnings(peft.get_peft_model)):
+        pytest.skip("this transformers/peft pair raises no such warning")
+    assert future_warnings(peft_model) == []

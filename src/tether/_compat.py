@@ -240,3 +240,16 @@ def ray_dial_address(address: str) -> str | None:
     from ray._private import services
 
     return services.canonicalize_bootstrap_address(address)
+
+
+def peft_model(base: Any, config: Any) -> Any:
+    """``peft.get_peft_model(base, config)`` without the ``FutureWarning`` transformers >= 5 raises
+    when PEFT reads the deprecated ``is_gradient_checkpointing`` (PEFT's call, nothing a user can
+    change; it printed on every LoRA run)."""
+    import warnings
+
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(base, config)

@@ -318,10 +318,10 @@ class RewardModelFunction:
         return torch.cat(scores).tolist()
 
 
-def reward_functions(cfg: Any, task: Any) -> list[RewardFunction]:
-    """The functions of ``cfg.reward_funcs`` (its file runs once, here), checked against a
-    dataset's columns; needs no model, so a run can fail before loading one."""
-    functions = load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else []
+def reward_functions(cfg: Any, task: Any, given: list[RewardFunction] | None = None) -> list[RewardFunction]:
+    """The functions of ``cfg.reward_funcs`` (its file runs once, here) or ``given`` (Python callables),
+    checked against a dataset's columns; needs no model, so a run can fail before loading one."""
+    functions = given if given is not None else load_reward_funcs(cfg.reward_funcs) if cfg.reward_funcs else []
     check_dataset_arguments(functions, task)
     return functions
 

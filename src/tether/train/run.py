@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tether._compat import enable_gradient_checkpointing
+from tether._compat import enable_gradient_checkpointing, peft_model
 from tether.control import KLController, make_kl_controller
 from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
@@ -44,7 +44,7 @@ from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, che
                                      periodic_eval, save_checkpoint, start_new_run, write_config)
 from tether.train.config import TrainConfig
 from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_metrics, summarize
-from tether.train.rewards import FunctionScorer, TaskScorer, build_scorer, reward_functions
+from tether.train.rewards import FunctionScorer, RewardFunction, TaskScorer, build_scorer, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
 from tether.train.tasks import (Problem, check_data, check_prompt_format, check_tool_task, dataset_task, load_task,
@@ -98,18 +98,42 @@ def _controller(cfg: TrainConfig, leash: Leash) -> Any:
     return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
 
 
-def build_run(cfg: TrainConfig, *, fresh: bool = False) -> Run:
-    """The run of ``cfg``; ``fresh``: refuse an ``out`` that holds a run (a new run, not a resume)."""
+IN_MEMORY = "python:"  # config values of data and rewards handed over as Python objects (``Inputs``)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Data and reward functions given as Python objects (``tether.train.train``) rather than as
+    files; the config records them as ``python:...`` so that a resume must hand them over again."""
+
+    rows: list[dict[str, Any]] | None = None
+    eval_rows: list[dict[str, Any]] | None = None
+    functions: list[RewardFunction] | None = None
+
+    def check(self, cfg: TrainConfig) -> None:
+        """Refuse a config naming Python inputs that were not given (a resume from the command line)."""
+        given = {"dataset": self.rows, "eval_dataset": self.eval_rows, "reward_funcs": self.functions}
+        for name, value in given.items():
+            if getattr(cfg, name).startswith(IN_MEMORY) and value is None:
+                raise ValueError(f"{name}: this run's {name} was given as Python objects ({getattr(cfg, name)}); "
+                                 f"resume it with tether.train.train(..., {name}=..., resume=True) and the same objects.")
+
+
+def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = None) -> Run:
+    """The run of ``cfg``; ``fresh``: refuse an ``out`` that holds a run (a new run, not a resume);
+    ``inputs``: data and reward functions given as Python objects."""
     cfg.validate()
+    inputs = Inputs() if inputs is None else inputs
+    inputs.check(cfg)
     if fresh:  # every rank checks before the first collective: after it, rank 0 writes config.yaml
         check_new_run_dir(cfg)
     ranks = join_ranks(cfg)  # first: a CUDA rank picks its GPU before anything is loaded
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    task = dataset_task(cfg) if cfg.dataset else load_task(cfg.task)
+    task = dataset_task(cfg, inputs.rows, inputs.eval_rows) if cfg.dataset else load_task(cfg.task)
     check_tool_task(task, cfg.workers)
-    functions = reward_functions(cfg, task)  # before the models: a dataset lacking a column fails first
+    functions = reward_functions(cfg, task, inputs.functions)  # before the models: a dataset lacking a column fails first
     models = build_models(cfg)
     shard_models(models, ranks)  # before the optimizer takes the parameters
     tok = models.tokenizer
@@ -403,7 +427,7 @@ def build_models(cfg: TrainConfig) -> Models:
         lora_dropout=0.0,
         target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()],
     )
-    policy = peft.get_peft_model(base, lora).eval()
+    policy = peft_model(base, lora).eval()
     if cfg.reference_update == "fixed":
         return Models(policy, adapter_disabled(policy), tokenizer, None, prints, device)
     reference = frozen_copy(policy)

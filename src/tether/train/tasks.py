@@ -520,13 +520,14 @@ def _fingerprint(*row_lists: list[dict[str, Any]]) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
-def dataset_task(cfg: Any) -> DatasetTask:
-    """The ``DatasetTask`` of ``cfg.dataset`` with its held-out rows (``eval_dataset`` or ``eval_split``)."""
-    rows = read_rows(cfg.dataset, "dataset")
+def dataset_task(cfg: Any, rows: list[dict[str, Any]] | None = None,
+                 eval_rows: list[dict[str, Any]] | None = None) -> DatasetTask:
+    """The ``DatasetTask`` of ``cfg.dataset`` with its held-out rows (``eval_dataset`` or ``eval_split``);
+    ``rows`` / ``eval_rows``: those datasets' rows when they were given as Python objects."""
+    rows = read_rows(cfg.dataset, "dataset") if rows is None else rows
     problems = rows_to_problems(rows, cfg.prompt_column, cfg.prompt_format, Path(cfg.dataset).name)
-    eval_rows: list[dict[str, Any]] = []
     if cfg.eval_dataset:
-        eval_rows = read_rows(cfg.eval_dataset, "eval_dataset")
+        eval_rows = read_rows(cfg.eval_dataset, "eval_dataset") if eval_rows is None else eval_rows
         train, held_out = problems, rows_to_problems(eval_rows, cfg.prompt_column, cfg.prompt_format,
                                                      Path(cfg.eval_dataset).name)
     elif cfg.eval_split:
@@ -535,7 +536,7 @@ def dataset_task(cfg: Any) -> DatasetTask:
         train, held_out = problems, []
     info = {"rows": len(rows), "train_rows": len(train), "held_out_rows": len(held_out)}
     return DatasetTask(name=Path(cfg.dataset).name, train=tuple(train), held_out=tuple(held_out),
-                       fingerprint=_fingerprint(rows, eval_rows, [cfg.eval_split]), info=info)
+                       fingerprint=_fingerprint(rows, eval_rows or [], [cfg.eval_split]), info=info)
 
 
 def config_problems(cfg: Any) -> list[str]:
@@ -556,7 +557,8 @@ def config_problems(cfg: Any) -> list[str]:
             p.append(f"task and dataset: give one source of prompts, got task={cfg.task!r} and dataset={cfg.dataset!r}")
         if not (cfg.reward_funcs or cfg.reward_model):
             p.append("dataset: a dataset run needs a reward; pass --reward-funcs FILE.py and/or --reward-model DIR")
-    if cfg.reward_funcs and not (cfg.reward_funcs.endswith(".py") and Path(cfg.reward_funcs).is_file()):
+    if cfg.reward_funcs and not cfg.reward_funcs.startswith("python:") and not (
+            cfg.reward_funcs.endswith(".py") and Path(cfg.reward_funcs).is_file()):
         p.append(f"reward_funcs: expected an existing .py file, got {cfg.reward_funcs!r}")
     if cfg.reward_model and not Path(cfg.reward_model).is_dir():
         p.append(f"reward_model: expected a local model directory, got {cfg.reward_model!r} (nothing is downloaded)")
