@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
 import pytest
 
 from tether._compat import TESTED, version_problems
