@@ -23,9 +23,25 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from tether.ops._scaling import power_of_two_scale
 from tether.ops.checks import real_number
 from tether.ops.registry import lookup
+
+
+def _power_of_two_scale(magnitude: Tensor) -> Tensor:
+    """``2^e`` with ``scale <= magnitude < 2 * scale``; 1 where magnitude is 0 or not finite. Rewards
+    divided by it (exactly: a power of two) keep their group sums and squares inside the dtype.
+
+    Args:
+        magnitude: ``[...]`` non-negative largest absolute values.
+
+    Returns:
+        ``[...]`` powers of two in the dtype of ``magnitude``, detached.
+    """
+    magnitude = magnitude.detach()
+    _, exponent = torch.frexp(magnitude)
+    scale = torch.ldexp(torch.ones_like(magnitude), exponent - 1)
+    usable = torch.isfinite(magnitude) & (magnitude > 0)
+    return torch.where(usable, scale, torch.ones_like(magnitude))
 
 
 @dataclass(frozen=True)
@@ -154,7 +170,7 @@ def group_advantages(
         _check_rloo_sizes(counts, labels)
     low = torch.zeros(groups, dtype=flat.dtype, device=flat.device).scatter_reduce(0, index, flat, "amin", include_self=False)
     high = torch.zeros_like(low).scatter_reduce(0, index, flat, "amax", include_self=False)
-    scale = power_of_two_scale(torch.maximum(low.abs(), high.abs()))[index]
+    scale = _power_of_two_scale(torch.maximum(low.abs(), high.abs()))[index]
     unit = flat / scale
     sums = torch.zeros_like(low).index_add(0, index, unit)
     centred = unit - (sums / counts.clamp_min(1))[index]
