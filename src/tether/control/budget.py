@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tether.control._checks import check_state_keys, control_targets, mean_sequence_kl, push_coef
+from tether.control.kl_io import check_state_keys, control_targets, mean_sequence_kl, push_coef
 from tether.ops.checks import real_number, whole_number
 
 __all__ = ["BudgetKLController", "BudgetMove"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from tether.control._checks import (
+from tether.control.kl_io import (
     check_state_keys,
     control_targets,
     mean_sequence_kl,

@@ -1,4 +1,5 @@
-"""Argument checks and plumbing shared by the KL controllers (one place for each check)."""
+"""What every KL controller reads and writes: the mean KL per sequence of a batch, the beta it pushes
+into the modules it drives, and the keys of its state dict (one place for each check)."""
 
 from __future__ import annotations
 
