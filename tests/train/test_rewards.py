@@ -17,7 +17,7 @@ from tests.train.test_recipe import tiny_cfg
 from tether.models import SequenceRewardModel
 from tether.train.cli import main
 from tether.train.recipe import RewardError, build_run, sample, score_rewards, step_problems, train
-from tether.train.rewards import (FunctionScorer, RewardFunction, RewardModelFunction, Samples, load_reward_funcs,
+from tether.train.rewards import (FunctionReward, RewardFunction, RewardModelFunction, Samples, load_reward_funcs,
                                   parse_weights)
 from tether.train.tasks import Problem
 
@@ -26,9 +26,9 @@ PROBLEMS = [Problem(chat=[{"role": "user", "content": f"q{i}"}], answer="", key=
 SAMPLES = Samples(PROBLEMS, ["x a0", "y", "boom"], [[1, 2], [3], [4, 5, 6]])
 
 
-def scorer(*fns, weights=None, prompt_format="text") -> FunctionScorer:
+def reward(*fns, weights=None, prompt_format="text") -> FunctionReward:
     funcs = [RewardFunction(f.__name__, f, "test file") for f in fns]
-    return FunctionScorer(funcs, weights or [1.0] * len(funcs), prompt_format)
+    return FunctionReward(funcs, weights or [1.0] * len(funcs), prompt_format)
 
 
 def test_weighted_sum_skips_none_and_each_function_is_kept():
@@ -39,7 +39,7 @@ def test_weighted_sum_skips_none_and_each_function_is_kept():
     def g(prompts, completions, **kw):
         return [None, 2.0, True]
 
-    out = scorer(f, g, weights=[2.0, 0.5]).score(SAMPLES, "step 1")
+    out = reward(f, g, weights=[2.0, 0.5])(SAMPLES, "step 1")
     assert out.total.tolist() == [2.0, 1.0, 1.5] and out.total.dtype == torch.float32
     assert out.per_function["f"].tolist()[::2] == [1.0, 0.5] and math.isnan(out.per_function["f"][1])
     assert out.correct is None
@@ -53,7 +53,7 @@ def test_functions_get_trl_arguments_by_keyword(prompt_format):
         seen.update(prompts=prompts, completions=completions, ids=completion_ids, answer=answer, level=level, kw=kw)
         return [0.0, 1.0, 0.0]
 
-    scorer(record, prompt_format=prompt_format).score(SAMPLES, "step 1")
+    reward(record, prompt_format=prompt_format)(SAMPLES, "step 1")
     if prompt_format == "chat":
         assert seen["prompts"] == [p.chat for p in PROBLEMS]
         assert seen["completions"][0] == [{"role": "assistant", "content": "x a0"}]
@@ -69,7 +69,7 @@ def test_a_sample_no_function_applies_to_is_an_error():
 
     with pytest.raises(RewardError, match=r"every reward function \(f\) returned None for sample 1 \(prompt 'q1', "
                                           r"completion 'y'\) at step 4"):
-        scorer(f).score(SAMPLES, "step 4")
+        reward(f)(SAMPLES, "step 4")
 
 
 def test_a_raising_function_names_itself_and_the_sample_that_breaks_it():
@@ -78,7 +78,7 @@ def test_a_raising_function_names_itself_and_the_sample_that_breaks_it():
 
     with pytest.raises(RewardError, match=r"reward function picky \(test file\) raised ZeroDivisionError: .* at step 2 on "
                                           r"sample 2 \(prompt 'q2', completion 'boom'\)"):
-        scorer(picky).score(SAMPLES, "step 2")
+        reward(picky)(SAMPLES, "step 2")
 
 
 @pytest.mark.parametrize("value,match", [
@@ -94,7 +94,7 @@ def test_wrong_returns_name_the_function_and_sample(value, match):
         return value
 
     with pytest.raises(RewardError, match=r"reward function bad \(test file\) at step 1 " + match):
-        scorer(bad).score(SAMPLES, "step 1")
+        reward(bad)(SAMPLES, "step 1")
 
 
 def test_a_function_that_cannot_take_the_columns_is_told_to_add_kwargs():
@@ -103,7 +103,7 @@ def test_a_function_that_cannot_take_the_columns_is_told_to_add_kwargs():
 
     with pytest.raises(RewardError, match=r"narrow \(test file\) cannot take the arguments \['answer', 'completion_ids', "
                                           r"'completions', 'level', 'prompts'\] by keyword .* give it a \*\*kwargs"):
-        scorer(narrow).score(SAMPLES, "step 1")
+        reward(narrow)(SAMPLES, "step 1")
 
 
 def test_a_function_needing_a_column_the_dataset_lacks_is_told_which():
@@ -112,13 +112,13 @@ def test_a_function_needing_a_column_the_dataset_lacks_is_told_which():
 
     with pytest.raises(RewardError, match=r"wants \(test file\) needs \['solution'\], which the batch does not have "
                                           r"\(its arguments: \['answer', 'completion_ids', 'completions', 'level', 'prompts'\]\)"):
-        scorer(wants).score(SAMPLES, "step 1")
+        reward(wants)(SAMPLES, "step 1")
 
 
 def test_columns_named_like_the_arguments_are_refused():
     problems = [Problem(chat=[{"role": "user", "content": "q"}], answer="", key="0", columns={"completions": 1})]
     with pytest.raises(RewardError, match=r"dataset columns \['completions'\] have the names"):
-        scorer(lambda **kw: [0.0]).score(Samples(problems, ["c"], [[1]]), "step 1")
+        reward(lambda **kw: [0.0])(Samples(problems, ["c"], [[1]]), "step 1")
 
 
 # ------------------------------------------------------------------ async reward functions
@@ -145,7 +145,7 @@ def test_async_functions_run_concurrently_and_weigh_like_sync_ones():
     def s(prompts, completions, **kw):
         return [0.5] * len(completions)
 
-    out = scorer(ping, pong, s, weights=[1.0, 2.0, 4.0]).score(SAMPLES, "step 1")
+    out = reward(ping, pong, s, weights=[1.0, 2.0, 4.0])(SAMPLES, "step 1")
     assert out.total.tolist() == [3.0, 6.0, 7.0]
     assert out.per_function["ping"].tolist() == [1.0, 2.0, 3.0]
 
@@ -157,7 +157,7 @@ def test_an_async_function_inside_a_running_event_loop():
         return [2.0 * len(c) for c in completions]
 
     async def main():
-        return scorer(twice).score(SAMPLES, "step 1")
+        return reward(twice)(SAMPLES, "step 1")
 
     assert asyncio.run(main()).total.tolist() == [8.0, 2.0, 8.0]  # 2 x len("x a0", "y", "boom")
 
@@ -169,7 +169,7 @@ def test_a_raising_async_function_names_itself_and_the_sample():
 
     with pytest.raises(RewardError, match=r"reward function picky \(test file\) raised ZeroDivisionError: .* at step 3 "
                                           r"on sample 2 \(prompt 'q2', completion 'boom'\)"):
-        scorer(picky).score(SAMPLES, "step 3")
+        reward(picky)(SAMPLES, "step 3")
 
 
 def test_an_async_function_returning_too_few_values_is_named():
@@ -178,14 +178,14 @@ def test_an_async_function_returning_too_few_values_is_named():
 
     with pytest.raises(RewardError, match=r"reward function short \(test file\) at step 1 returned 1 values for 3 "
                                           r"samples"):
-        scorer(short).score(SAMPLES, "step 1")
+        reward(short)(SAMPLES, "step 1")
 
 
 def test_an_async_function_in_a_file_is_found(tmp_path):
     path = tmp_path / "r.py"
     path.write_text("async def judge(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
     (func,) = load_reward_funcs(str(path))
-    assert func.name == "judge" and scorer(func.fn).score(SAMPLES, "step 1").total.tolist() == [1.0, 1.0, 1.0]
+    assert func.name == "judge" and reward(func.fn)(SAMPLES, "step 1").total.tolist() == [1.0, 1.0, 1.0]
 
 
 def test_which_functions_a_file_gives(tmp_path):

@@ -463,5 +463,5 @@ def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
         return False
     record["eval_accuracy"] = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
                                        max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                                       with_kl=False, scorer=run.scorer, prompt_format=cfg.prompt_format).accuracy
+                                       with_kl=False, reward=run.reward, prompt_format=cfg.prompt_format).accuracy
     return run.best.offer(done, record["eval_accuracy"])

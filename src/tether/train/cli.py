@@ -308,7 +308,7 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"tether eval: scoring {what} on {len(run.held_out)} held-out problems", file=sys.stderr)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                      scorer=run.scorer, prompt_format=cfg.prompt_format)
+                      reward=run.reward, prompt_format=cfg.prompt_format)
     print(json.dumps({**scored, **result.as_dict()}, indent=1))
     return 0
 

@@ -30,7 +30,7 @@ from tether.models.score_plan import row_slices
 from tether.models.scoring import exact_kl_tokens
 from tether.train.checkpoint import due
 from tether.train.config import TrainConfig
-from tether.train.rewards import RewardError, TaskScorer, samples_from_batch, with_checkpoints
+from tether.train.rewards import RewardError, TaskReward, samples_from_batch, with_checkpoints
 from tether.train.tasks import Problem, Task, episode_stats, make_tool_rollout, prompt_batch, tool_metrics, tool_summary
 
 if TYPE_CHECKING:  # for the annotations only: tether.train.run imports this module
@@ -336,10 +336,10 @@ def evaluate(
     max_new_tokens: int,
     temperature: float = 1.0,
     with_kl: bool = True,
-    scorer: Any = None,
+    reward: Any = None,
     prompt_format: str = "chat",
 ) -> EvalResult:
-    """Greedy accuracy and reward on ``problems`` (``scorer``: the task's reward when None) and
+    """Greedy accuracy and reward on ``problems`` (``reward``: the task's reward when None) and
     (optionally) the exact KL along the answers."""
     wrapper = TransformersWrapper(
         policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
@@ -348,7 +348,7 @@ def evaluate(
     tool_rollout = make_tool_rollout(task, wrapper)
     rollout = wrapper if tool_rollout is None else tool_rollout
     episodes = []
-    scorer = TaskScorer(task) if scorer is None else scorer
+    reward = TaskReward(task) if reward is None else reward
     totals, correct, per_function = [], [], []
     kl_sum = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
@@ -357,7 +357,7 @@ def evaluate(
         td = rollout(prompt_batch(chunk, prompt_format))
         if tool_rollout is not None:
             episodes.append(episode_stats(td))
-        scores = scorer.score(samples_from_batch(td, chunk), where="held-out evaluation")
+        scores = reward(samples_from_batch(td, chunk), where="held-out evaluation")
         totals.append(scores.total)
         correct.append(scores.correct)
         per_function.append(scores.per_function)
@@ -386,7 +386,7 @@ def evaluate_run(run: Run, reference: Any, with_kl: bool = True) -> dict[str, An
     try:
         return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
                         max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
-                        with_kl=with_kl, scorer=run.scorer, prompt_format=run.cfg.prompt_format).as_dict()
+                        with_kl=with_kl, reward=run.reward, prompt_format=run.cfg.prompt_format).as_dict()
     except RewardError as exc:
         raise with_checkpoints(exc, run.dir) from exc
 

@@ -58,7 +58,7 @@ def score_rewards(run: Run, record: StepRecord, problems: list[Problem], step: i
     """Reward: ``record.rewards`` ``[B]``; a failing reward function names its sample."""
     answers = [row[m].tolist() for row, m in zip(record.tokens, record.assistant_mask)]
     try:
-        scores = run.scorer.score(Samples(problems, record.responses, answers), where=f"step {step + 1}")
+        scores = run.reward(Samples(problems, record.responses, answers), where=f"step {step + 1}")
     except RewardError as exc:
         raise with_checkpoints(exc, run.dir) from exc
     record.rewards = scores.total

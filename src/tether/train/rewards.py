@@ -95,13 +95,13 @@ def _correct(task: Any, samples: Samples) -> torch.Tensor | None:
                          for c, p in zip(samples.completions, samples.problems)])
 
 
-class TaskScorer:
+class TaskReward:
     """The task's own per-sample ``reward`` and ``is_correct``."""
 
     def __init__(self, task: Task) -> None:
         self.task = task
 
-    def score(self, samples: Samples, where: str) -> Scores:
+    def __call__(self, samples: Samples, where: str) -> Scores:
         task, rewards = self.task, []
         for i, (answer, problem) in enumerate(zip(samples.completions, samples.problems)):
             try:
@@ -117,7 +117,7 @@ class TaskScorer:
         return Scores(torch.tensor(rewards, dtype=torch.float32), _correct(task, samples), {})
 
 
-class FunctionScorer:
+class FunctionReward:
     """Weighted reward functions in TRL's convention (see the module docstring)."""
 
     def __init__(self, functions: list[RewardFunction], weights: list[float], prompt_format: str,
@@ -133,7 +133,7 @@ class FunctionScorer:
                 "completions": [[{"role": "assistant", "content": c}] if chat else c for c in samples.completions],
                 "completion_ids": samples.completion_ids, **columns}
 
-    def score(self, samples: Samples, where: str) -> Scores:
+    def __call__(self, samples: Samples, where: str) -> Scores:
         inputs, n = self._inputs(samples), len(samples.completions)
         outputs = [_call(func, inputs, n, samples, where) for func in self.functions]  # values or coroutines
         pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
@@ -326,12 +326,12 @@ def reward_functions(cfg: Any, task: Any, given: list[RewardFunction] | None = N
     return functions
 
 
-def build_scorer(cfg: Any, task: Any, device: torch.device,
-                 functions: list[RewardFunction] | None = None) -> TaskScorer | FunctionScorer:
+def build_reward(cfg: Any, task: Any, device: torch.device,
+                 functions: list[RewardFunction] | None = None) -> TaskReward | FunctionReward:
     """The task's own reward, or ``cfg.reward_funcs`` (``functions`` when already loaded by
     ``reward_functions``) and ``cfg.reward_model`` with their weights."""
     if not (cfg.reward_funcs or cfg.reward_model):
-        return TaskScorer(task)
+        return TaskReward(task)
     functions = list(reward_functions(cfg, task) if functions is None else functions)
     if cfg.reward_model:
         functions.append(RewardFunction(Path(cfg.reward_model).name,
@@ -341,7 +341,7 @@ def build_scorer(cfg: Any, task: Any, device: torch.device,
     if len(set(names)) != len(names):
         raise ValueError(f"reward_funcs: the reward names {names} repeat; each is logged under its own name, "
                          "so rename the function (or the reward model's directory).")
-    return FunctionScorer(functions, parse_weights(cfg.reward_weights, names), cfg.prompt_format, task)
+    return FunctionReward(functions, parse_weights(cfg.reward_weights, names), cfg.prompt_format, task)
 
 
 def samples_from_batch(batch: Any, problems: list[Problem]) -> Samples:

@@ -1,7 +1,7 @@
 """The run a recipe steps: built once from the config, opened, checkpointed and closed.
 
 ``build_run`` is the "config -> models" part of the recipes: models, sampler, the policy's scorer
-for the loss pass, optimizer, schedule, KL controller, reference updater, reward scorer and logs,
+for the loss pass, optimizer, schedule, KL controller, reference updater, the reward and logs,
 validated before anything is written. ``open_run`` starts the run directory (or resumes from its
 newest checkpoint), ``close_step`` logs and checkpoints each step at its cadence, ``close_run``
 runs the final evaluation and writes the summary. A checkpoint holds the state beyond the weights
@@ -44,7 +44,7 @@ from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, che
                                      periodic_eval, save_checkpoint, start_new_run, write_config)
 from tether.train.config import TrainConfig
 from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_metrics, summarize
-from tether.train.rewards import FunctionScorer, RewardFunction, TaskScorer, build_scorer, reward_functions
+from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
 from tether.train.tasks import (Problem, check_data, check_prompt_format, check_tool_task, dataset_task, load_task,
@@ -77,7 +77,7 @@ class Run:
     leash: Leash
     ref_updater: ReferenceUpdater | None
     generator: torch.Generator
-    scorer: TaskScorer | FunctionScorer
+    reward: TaskReward | FunctionReward
     metrics: MetricsLog
     best: BestEval = field(default_factory=BestEval)
     tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
@@ -161,7 +161,7 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
         scheduler=make_lr_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                     total_steps=cfg.steps),
         controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,
-        scorer=build_scorer(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        reward=build_reward(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
         line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" else None,
     )
