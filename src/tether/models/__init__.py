@@ -10,6 +10,7 @@ from tether.models.reference import (
     frozen_copy,
 )
 from tether.models.reward_model import RewardOutput, SequenceRewardModel
+from tether.models.score_sink import Scorer
 from tether.models.wrapper import INPUT_MODES, TransformersWrapper
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "REFERENCE_UPDATES",
     "ReferenceUpdater",
     "RewardOutput",
+    "Scorer",
     "SequenceRewardModel",
     "TransformersWrapper",
     "adapter_disabled",

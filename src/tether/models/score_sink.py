@@ -18,6 +18,7 @@ positions. The sink is the only place that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -75,6 +76,26 @@ class ScoredTokens(TokenStats):
 
     hidden: HeadHidden | None = None
     exact_kl: Tensor | None = None
+
+
+class Scorer(Protocol):
+    """What a loss needs of its policy: per-token log-probs (and entropy) of a batch.
+
+    The short form is ``score(tokens, attention_mask, *, with_entropy) -> TokenStats``. A scorer
+    that also takes ``where=`` (score only those positions) and ``kl_to=`` (the exact KL against
+    another model's kept hidden states), as ``TransformersWrapper`` does, says so with
+    ``scores_positions = True``; callers read that flag, never the scorer's type.
+    """
+
+    scores_positions: bool
+
+    def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False,
+              **positions: Any) -> TokenStats: ...
+
+
+def scores_positions(scorer: object) -> bool:
+    """Whether ``scorer.score`` takes ``where=`` and ``kl_to=`` (``Scorer``'s full form)."""
+    return bool(getattr(scorer, "scores_positions", False))
 
 
 def check_where(where: Tensor | None, tokens: Tensor) -> None:

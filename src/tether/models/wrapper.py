@@ -132,6 +132,8 @@ class TransformersWrapper(TensorDictModuleBase):
             ``pad_token_id`` (the eos id is a common choice).
     """
 
+    scores_positions = True  # score() takes where= and kl_to= (tether.models.score_sink.Scorer)
+
     def __init__(
         self,
         model: nn.Module,

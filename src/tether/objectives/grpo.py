@@ -20,8 +20,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from tether.models import TransformersWrapper
-from tether.models.score_sink import HeadHidden
+from tether.models.score_sink import HeadHidden, scores_positions
 from tether.models.step_record import StepRecord
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
 from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
@@ -82,9 +81,10 @@ class GRPOLoss(nn.Module):
     """GRPO loss on a batch of sampled responses, with optional KL leashes.
 
     Args:
-        actor_network: the policy, a ``tether.models.TransformersWrapper`` (any object with
-            ``score(tokens, attention_mask, *, with_entropy) -> TokenStats`` works). Its
-            temperature must be the sampling temperature.
+        actor_network: the policy, a ``tether.models.TransformersWrapper`` or any
+            ``tether.models.score_sink.Scorer`` (``score(tokens, attention_mask, *, with_entropy)
+            -> TokenStats``; with ``scores_positions = True`` it is also handed ``where=`` and
+            ``kl_to=``). Its temperature must be the sampling temperature.
         clip_epsilon: ``eps`` or ``(low, high)`` (clip-higher, DAPO): ratios are clipped to
             ``[1 - low, 1 + high]``.
         entropy_bonus: add ``-entropy_coeff * entropy`` to the loss.
@@ -332,7 +332,7 @@ class GRPOLoss(nn.Module):
         """The policy's log-probs (and entropy) of the batch; with tether's own wrapper the head
         runs only on the trained tokens, and the exact KL comes along when ``ref_hidden`` is given."""
         actor = self.actor_network
-        if not isinstance(actor, TransformersWrapper):  # any object with score(tokens, mask, *, with_entropy)
+        if not scores_positions(actor):  # the Scorer protocol's short form
             return actor.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus)
         return actor.score(batch.tokens, batch.attention_mask, with_entropy=self.entropy_bonus, where=batch.mask,
                            kl_to=ref_hidden)
