@@ -15,7 +15,7 @@ from tests.ray.factories import reference_scorer
 from tether.llm import chat_batch
 from tether.models import TransformersWrapper
 from tether.ray import merge_batches, split_groups, worker_seed
-from tether.ray._packing import pack_rows, unpack_rows
+from tether.ray._request_grid import join_requests, split_requests
 from tether.ray.reference_service import BatchLimits, ReferenceServer
 from tether.ray.transforms import ModelSpec, _build_kl_reward
 
@@ -33,10 +33,10 @@ def test_one_packed_forward_equals_scoring_each_request():
     left, right = token_batch(MULTI_TURN, "left"), token_batch(PROMPTS, "right")
     empty = (left[0][:1].clone(), torch.zeros_like(left[1][:1]))
     requests = [left, right, empty]
-    packed = pack_rows(requests)
+    packed = join_requests(requests)
     assert packed.ids.shape == (7, int(left[1].sum(-1).max()))
     assert torch.equal(packed.mask.sum(-1), torch.cat([m.sum(-1) for _, m in requests]))
-    parts = unpack_rows(scorer.score(packed.ids, packed.mask).log_probs, packed)
+    parts = split_requests(scorer.score(packed.ids, packed.mask).log_probs, packed)
     for part, (tokens, mask) in zip(parts, requests):
         assert part.shape == tokens.shape
         # score_tokens returns float32 zeros for a batch without a single scored token

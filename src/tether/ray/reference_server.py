@@ -35,7 +35,7 @@ from tether.models import TransformersWrapper
 from tether.models.weights import load_named
 from tether.ops.checks import real_number, whole_number
 from tether.ray._checks import check_batch, check_group, check_token_range
-from tether.ray._packing import pack_rows, unpack_rows
+from tether.ray._request_grid import join_requests, split_requests
 from tether.ray._runtime import place_scorer
 from tether.ray.reference_client import ScoreReply, ScoreRequest
 
@@ -268,13 +268,13 @@ class ReferenceServer:
     def _forward(self, requests: list[ScoreRequest]) -> list[ScoreReply]:
         # Id order makes the packed grid, and so its float rounding, independent of arrival order.
         order = sorted(range(len(requests)), key=lambda i: requests[i].request_id)
-        packed = pack_rows([(requests[i].tokens, requests[i].mask) for i in order])
+        packed = join_requests([(requests[i].tokens, requests[i].mask) for i in order])
         with torch.no_grad():
             log_probs = self.scorer.score(packed.ids, packed.mask).log_probs.to("cpu")
         self._forward_calls += 1
         self._requests += len(requests)
         self._rows += packed.ids.shape[0]
-        parts = unpack_rows(log_probs, packed)
+        parts = split_requests(log_probs, packed)
         replies: list[ScoreReply | None] = [None] * len(requests)
         for i, part in zip(order, parts):
             replies[i] = ScoreReply(requests[i].request_id, part, self._forward_calls, os.getpid(),

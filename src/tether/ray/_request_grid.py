@@ -17,7 +17,7 @@ from torch import Tensor
 from tether.models.score_plan import row_spans, scatter_tokens
 from tether.ops.masks import padded_index
 
-__all__ = ["PackedRows", "pack_rows", "unpack_rows"]
+__all__ = ["RequestGrid", "join_requests", "split_requests"]
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,16 @@ class RowPlacement:
 
 
 @dataclass(frozen=True)
-class PackedRows:
-    """The packed grid of several requests and how to split it back."""
+class RequestGrid:
+    """The rows of several requests in one right-padded grid, and how to split it back (not
+    ``tether.models.packing``'s end-to-end packing)."""
 
     ids: Tensor  # long [N, L], right-padded with 0
     mask: Tensor  # bool [N, L]
     placements: list[RowPlacement]
 
 
-def pack_rows(batches: list[tuple[Tensor, Tensor]]) -> PackedRows:
+def join_requests(batches: list[tuple[Tensor, Tensor]]) -> RequestGrid:
     """Pack ``[(tokens [b_i, T_i], mask bool [b_i, T_i]), ...]`` into one right-padded grid."""
     spans = [row_spans(mask) for _, mask in batches]
     width = max([int(lengths.max()) for _, lengths in spans if lengths.numel()] + [1])
@@ -53,10 +54,10 @@ def pack_rows(batches: list[tuple[Tensor, Tensor]]) -> PackedRows:
         masks.append(valid)
         placements.append(RowPlacement(first, source, valid, (rows, span)))
         first += rows
-    return PackedRows(torch.cat(ids), torch.cat(masks), placements)
+    return RequestGrid(torch.cat(ids), torch.cat(masks), placements)
 
 
-def unpack_rows(values: Tensor, packed: PackedRows) -> list[Tensor]:
+def split_requests(values: Tensor, packed: RequestGrid) -> list[Tensor]:
     """Split per-token ``values [N, L]`` of a packed grid into each request's ``[b_i, T_i]``.
 
     Positions a request did not send as valid tokens hold 0.
