@@ -7,7 +7,7 @@ Preferences" (section 2.2, as in openai/lm-human-preferences)::
     e    = clip(KL / target - 1, -0.2, 0.2)
     beta = beta * (1 + e * n_steps / horizon)
 
-Departures from the TorchRL seed, and why:
+Departures from TorchRL, and why:
 
 * Units. The KL the controller compares with ``target`` is the mean over sequences of the
   *per-sequence summed* KL (nats per sequence), the quantity the paper targets. The seed fed
@@ -81,7 +81,7 @@ class ConstantKLController:
     def kl_coef(self) -> float:
         return self._coef
 
-    coef = kl_coef  # the seed's attribute name
+    coef = kl_coef  # TorchRL's attribute name
 
     def update(self, kl_values: Any = None, n_steps: int | None = None) -> float:
         """Returns the (unchanged) coefficient and re-writes it to the driven objects.
@@ -158,7 +158,7 @@ class AdaptiveKLController:
     def kl_coef(self) -> float:
         return self._coef
 
-    coef = kl_coef  # the seed's attribute name
+    coef = kl_coef  # TorchRL's attribute name
 
     def update(self, kl_values: Any = None, n_steps: int | None = None) -> float:
         """Moves the coefficient after one batch and returns it (a Python float).

@@ -104,7 +104,7 @@ class TargetKLController:
     def kl_coef(self) -> float:
         return self._coef
 
-    coef = kl_coef  # the seed's attribute name, as on the other controllers
+    coef = kl_coef  # TorchRL's attribute name, as on the other controllers
 
     def log_error(self, predicted: float) -> float:
         """``log(predicted / target)`` clipped to ``[-max_fall, max_rise]``; -max_fall for

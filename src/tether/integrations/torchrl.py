@@ -12,7 +12,7 @@ appended to a ``TransformedEnv``: at every step it sees the root tensordict (obs
 action and the policy's log-prob at time t) together with the ``"next"`` entry holding the
 reward, and writes the KL-penalised reward there.
 
-Spec handling follows the seed: an adjusted reward that overwrites the env reward keeps the
+Spec handling follows TorchRL: an adjusted reward that overwrites the env reward keeps the
 reward spec's shape but becomes unbounded; an adjusted reward (or log-ratio) written to a new
 key is declared as an unbounded observation entry of the reward's shape, and filled with
 zeros at reset so that every step of a rollout holds the same keys.

@@ -5,8 +5,8 @@ from ``tether.ops.kl_estimate`` and kept only where an explicit mask says the to
 the assistant mask if the batch has one, else the attention mask, else every stored
 position. A log-prob equal to 0 is a value like any other, never a padding marker.
 
-Departures from the TorchRL seed: missing inputs raise a ``KeyError`` naming them and
-listing the keys present (the seed raised ``AttributeError`` while formatting its own
+Departures from TorchRL: missing inputs raise a ``KeyError`` naming them and
+listing the keys present (TorchRL raised ``AttributeError`` while formatting its own
 message); the estimator is selectable; per-sequence rewards ``[B, 1]`` (or ``[B, 1, 1]``) are broadcast over
 the tokens instead of being refused; the KL is written as ``[B, T]`` in the layout of the
 log-probs rather than as a strided nested tensor; the coefficient is a read/write
@@ -84,7 +84,7 @@ class KLComputation(TensorDictModuleBase):
         kl_key: where the per-token KL goes, ``[B, T]`` (or ``[B, j]``), 0 outside the mask.
         add_to_reward: write ``reward - coeff * kl`` over the reward.
         coeff: KL coefficient (>= 0); read/write as ``coeff`` or ``kl_coef``.
-        padding_side: accepted for the seed's signature; outputs always keep the layout of
+        padding_side: accepted for TorchRL's signature; outputs always keep the layout of
             the log-probs (nothing is re-padded here), so it has no effect.
         estimator: one of ``tether.ops.KL_ESTIMATORS`` (``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``).
         reward_key: the reward read from the output scope, ``[B, 1]`` (or ``[B, 1, 1]``) per sequence or
@@ -145,7 +145,7 @@ class KLComputation(TensorDictModuleBase):
     def kl_coef(self, value: float) -> None:
         self._coeff = kl_coefficient("kl_coef", value)
 
-    coeff = kl_coef  # the seed's keyword
+    coeff = kl_coef  # TorchRL's keyword
 
     def check_inputs(self, tensordict: TensorDictBase, log_prob_keys: tuple[NestedKey, ...] | None = None) -> None:
         """Raise the ``KeyError`` ``forward`` would raise for a missing reward or log-probs.

@@ -4,11 +4,11 @@ The policy's log-probs are read from the batch (``log_prob_key``, as recorded by
 sampler or a scorer); only the reference is run, through ``RetrieveLogProb``, and
 ``KLComputation`` writes ``reward - coef * (log pi - log pi_ref)`` per token.
 
-Departures from the TorchRL seed: the seed read the reward before its own ``None`` check
+Departures from TorchRL: TorchRL read the reward before its own ``None`` check
 and crashed on a batch without one; here a missing reward with ``add_to_reward=True``
 raises a ``KeyError`` that names the key and says to add a reward or pass
 ``add_to_reward=False`` (which writes only the KL and the reference log-probs). The
-reference may use any input mode (the seed demanded ``"tokens"``): tokens already in the
+reference may use any input mode (TorchRL demanded ``"tokens"``): tokens already in the
 batch are scored as they are. ``"kl_penalty"`` and ``"ref_log_prob"`` are ``[B, T]``
 (jagged ``[B, j]``) like every per-token tensor in tether, not ``[B, T, 1]``. No Ray
 metaclass: the Ray variant is a separate class in ``tether.ray``.
@@ -43,7 +43,7 @@ def _key_list(name: str, keys: Any) -> list[NestedKey]:
 
 
 def _resolve_keys(in_keys: Any, out_keys: Any) -> tuple[NestedKey, NestedKey, NestedKey, NestedKey]:
-    """(reward in, reward out, kl, reference log-prob) from the seed's key conventions."""
+    """(reward in, reward out, kl, reference log-prob) from TorchRL's key conventions."""
     ins = _key_list("in_keys", "reward" if in_keys is None else in_keys)
     if len(ins) != 1:
         raise ValueError(f"in_keys: expected exactly one key (the reward), got {ins!r}.")
@@ -124,7 +124,7 @@ class KLRewardTransform(TensorDictModuleBase):
     def kl_coef(self, value: float) -> None:
         self.kl_computation.kl_coef = value
 
-    coef = kl_coef  # the seed's keyword
+    coef = kl_coef  # TorchRL's keyword
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward or policy log-probs before running the reference.

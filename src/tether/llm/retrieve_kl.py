@@ -9,7 +9,7 @@ that equals a recomputation up to float32 rounding only under the conditions lis
 docs (``docs/design.md``: same weights, same temperature, the sampled tokens still in the
 batch, KL on the sampled tokens only).
 
-Departures from the TorchRL seed: no metaclass and no lazy ``"from_collector"`` policy;
+Departures from TorchRL: no metaclass and no lazy ``"from_collector"`` policy;
 ``ref_model`` and ``ref_model_factory`` together are refused; the two scorers are checked
 for matching layout, vocabulary and temperature; the estimator is selectable.
 """
@@ -146,7 +146,7 @@ class RetrieveKL(TensorDictModuleBase):
     def kl_coef(self, value: float) -> None:
         self.kl_computation.kl_coef = value
 
-    coeff = kl_coef  # the seed's keyword
+    coeff = kl_coef  # TorchRL's keyword
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward (or missing sampling log-probs) before running a model.

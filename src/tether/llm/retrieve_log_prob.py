@@ -5,9 +5,9 @@ those exact ids are scored (re-rendering decoded text need not give back the sam
 otherwise the wrapper's own input is rendered or encoded, and the tokens and masks found are
 written to the batch so that the reference scorer and ``KLComputation`` see the same ones.
 
-Departures from the TorchRL seed: ``detach`` is honoured (the seed ignored it); the assistant
+Departures from TorchRL: ``detach`` is honoured (TorchRL ignored it); the assistant
 mask includes each turn's end-of-turn token; scoring is padding-free and never builds
-``[B, T, V]`` logits. As in the seed, ``assistant_only=True`` needs a history-mode model and
+``[B, T, V]`` logits. As in TorchRL, ``assistant_only=True`` needs a history-mode model and
 is refused at construction otherwise.
 """
 

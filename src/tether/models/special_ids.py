@@ -3,7 +3,7 @@
 Every component that samples, pads or ends responses (``TransformersWrapper``,
 ``RolloutFromModel``, ``SequenceRewardModel``) resolves its ids here. An explicit argument wins, then the tokenizer,
 then the model's generation config and config; finding nothing is an error naming the
-keyword to pass, never a guess (the TorchRL seed hard-coded GPT-2's 50256, and an earlier
+keyword to pass, never a guess (TorchRL hard-coded GPT-2's 50256, and an earlier
 tether wrapper fell back to the smallest eos id).
 """
 

@@ -3,7 +3,7 @@
 Sampling produces it, the reward, reference and advantage stages fill their fields, and
 the loss reads it; no stage looks a tensor up by a TensorDict key. TensorDicts stay at
 the edge where TorchRL compatibility needs them: ``from_tensordict`` reads a rollout written
-by the seed-API components once, ``to_tensordict`` writes the seed's keys back.
+by the TorchRL-API components once, ``to_tensordict`` writes TorchRL's keys back.
 
 It lives in ``tether.models`` because both the components that fill it (``tether.rollout``)
 and the loss that reads it (``tether.objectives``) may import this layer, not each other.
@@ -20,7 +20,7 @@ from torch import Tensor
 from tether.models.score_sink import HeadHidden
 from tether.ops import kl_k1
 
-# Where the seed-API components keep each tensor of a rollout (the TorchRL LLM layout).
+# Where the TorchRL-API components keep each tensor of a rollout (the TorchRL LLM layout).
 TD_KEYS: dict[str, Any] = {
     "tokens": ("tokens", "full"),
     "attention_mask": ("masks", "all_attention_mask"),
@@ -139,7 +139,7 @@ class StepRecord:
 
     @classmethod
     def from_tensordict(cls, td: Any, group_ids: Tensor) -> StepRecord:
-        """Read a rollout written by the seed-API components (keys in ``TD_KEYS``)."""
+        """Read a rollout written by the TorchRL-API components (keys in ``TD_KEYS``)."""
         keys = set(td.keys(include_nested=True, leaves_only=True))
         values = {name: td.get(key) for name, key in TD_KEYS.items() if key in keys}
         missing = [TD_KEYS[n] for n in ("tokens", "attention_mask", "assistant_mask", "sample_log_probs") if n not in values]
@@ -153,7 +153,7 @@ class StepRecord:
                    episode=episode, **values)
 
     def to_tensordict(self) -> Any:
-        """The record under the seed's keys (``TD_KEYS``), for TorchRL-style consumers."""
+        """The record under TorchRL's keys (``TD_KEYS``), for TorchRL-style consumers."""
         from tensordict import TensorDict
 
         td = TensorDict(batch_size=[len(self)])

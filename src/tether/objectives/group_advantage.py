@@ -2,7 +2,7 @@
 
 ``mc_group_advantages`` is the vectorised core of ``MCAdvantage``: every row is a complete
 trajectory, ``group_ids`` says which rows answered the same prompt, and every group is handled
-at once by ``tether.ops.group_advantages``. ``reward_to_go=False`` (the seed's rule) compares
+at once by ``tether.ops.group_advantages``. ``reward_to_go=False`` (TorchRL's rule) compares
 each reward with its group's; ``reward_to_go=True`` gives token ``t`` its return from ``t`` on
 minus the group baseline of total returns (the gradient of a per-token KL penalty in the
 reward). A group whose returns are all equal gets 0. Rationale: docs/design.md.

@@ -1,9 +1,9 @@
 """``GRPOLoss``: the clipped GRPO objective with a KL leash, composed from ``tether.ops``.
 
 Shao et al. (2024) with later refinements as options. Departures from the paper and TorchRL's
-``GRPOLoss`` (the seed): one ``actor_network.score`` call gives log-probs and entropy without
-``[B, T, V]`` logits; the trained tokens are an explicit mask (the seed's ``log_prob != 0``
-dropped real tokens); every term is reduced by one ``aggregate`` (the seed averaged the KL over
+``GRPOLoss``: one ``actor_network.score`` call gives log-probs and entropy without
+``[B, T, V]`` logits; the trained tokens are an explicit mask (TorchRL's ``log_prob != 0``
+dropped real tokens); every term is reduced by one ``aggregate`` (TorchRL averaged the KL over
 the padded grid); the KL term defaults to the importance-weighted k3, whose expected gradient is
 the reverse KL's even off-policy; nothing is written into the caller's TensorDict. The training
 recipe writes the same loss itself (``tether.train.recipe.token_terms``, held equal by a test).
@@ -115,7 +115,7 @@ class GRPOLoss(nn.Module):
             when each batch is used for one optimiser step (then the weights were not
             updated since sampling); with several steps per batch store the old log-probs,
             or the ratio stays 1 and the clip never acts. With ``None`` (default) the ratio
-            is taken against the sampling log-probs, as in the seed, and no old log-probs
+            is taken against the sampling log-probs, as in TorchRL, and no old log-probs
             are read.
         importance_cap: the TIS / MIS threshold (> 0).
         normalizer: the constant per-row divisor of ``"seq-mean-token-sum-norm"`` (e.g.

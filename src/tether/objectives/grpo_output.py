@@ -6,7 +6,7 @@ batch is the concatenation of its micro-batches' records, a caller that accumula
 gradients over micro-batches gets the full batch's diagnostics exactly (ESS included, which
 is not a token mean) by reducing the concatenated detached terms once.
 
-A ``tensordict`` tensorclass with the seed's field names, so TorchRL-style code that calls
+A ``tensordict`` tensorclass with TorchRL's field names, so TorchRL-style code that calls
 ``to_tensordict()`` or reads ``out.loss_objective`` keeps working. Every ``loss_*`` field
 is differentiable and already reduced; every other field is a detached diagnostic.
 """

@@ -2,7 +2,7 @@
 
 On the replay-buffer write path (``add``, alias ``_inv_call`` for TorchRL) each complete
 trajectory is queued under its prompt; when ``grpo_size`` of one prompt are in, the group is
-returned with an advantage entry and its queue emptied (the seed's sliding window re-emitted
+returned with an advantage entry and its queue emptied (TorchRL's sliding window re-emitted
 duplicates). Batches read as ``[..., steps]``; every trajectory must end with ``done``; prompts
 are strings or chats; a whole ``add`` is checked before anything is queued; a plain module is
 wrapped for TorchRL's buffers (``tether.integrations.torchrl.as_replay_buffer_transform``).
@@ -88,7 +88,7 @@ class MCAdvantage(nn.Module):
         mask_key: valid-entry mask of padded per-token rewards.
         trajectory_return: TorchRL 0.14's keyword; only its default, None, is accepted.
 
-    ``prompt_key`` defaults to the seed's ``"text"``; TorchRL 0.14 reads ``"query"``
+    ``prompt_key`` defaults to TorchRL 0.13's ``"text"``; TorchRL 0.14 reads ``"query"``
     (pass ``prompt_key="query"``; a missing ``"text"`` next to a ``"query"`` says so).
     """
 
@@ -228,7 +228,7 @@ class MCAdvantage(nn.Module):
         first = traj[0]
         if self.prompt_key == "text" and not has_key(first, "text") and has_key(first, "query"):
             raise KeyError(
-                "'text': MCAdvantage's prompt_key defaults to the seed's 'text', and this trajectory has "
+                "'text': MCAdvantage's prompt_key defaults to TorchRL 0.13's 'text', and this trajectory has "
                 "'query' instead (TorchRL 0.14's default). Pass MCAdvantage(..., prompt_key='query')."
             )
         prompt = fetch(first, self.prompt_key, "the prompt")

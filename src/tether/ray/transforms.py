@@ -7,7 +7,7 @@ actor (no weights travel); callers naming the same ``actor_name`` share one acto
 initialised first (``RayNotInitializedError``); every wait is bounded (``ready_timeout_s``,
 ``timeout_s``).
 
-Departures from the TorchRL seed: separate classes, not a metaclass swap; construction waits
+Departures from TorchRL: separate classes, not a metaclass swap; construction waits
 for the actor, so a failing factory is reported where the transform is built; unknown keywords
 are refused locally; ``detach=False`` is refused (a graph cannot cross processes); ``kl_coef``
 reads and writes the shared actor's coefficient.
@@ -250,7 +250,7 @@ class RayKLRewardTransform(_RayTransform):
                     num_gpus=num_gpus, device=device, actor_name=actor_name,
                     ready_timeout_s=ready_timeout_s, timeout_s=timeout_s)
 
-    coef = _RayTransform.kl_coef  # the seed's keyword
+    coef = _RayTransform.kl_coef  # TorchRL's keyword
 
 
 class RayRetrieveKL(_RayTransform):
@@ -297,4 +297,4 @@ class RayRetrieveKL(_RayTransform):
                     num_gpus=num_gpus, device=device, actor_name=actor_name,
                     ready_timeout_s=ready_timeout_s, timeout_s=timeout_s)
 
-    coeff = _RayTransform.kl_coef  # the seed's keyword
+    coeff = _RayTransform.kl_coef  # TorchRL's keyword

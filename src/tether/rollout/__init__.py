@@ -1,4 +1,4 @@
-"""Rollouts from a causal LM: the seeds' step-wise layout, and multi-turn conversations with tools."""
+"""Rollouts from a causal LM: TorchRL's step-wise layout, and multi-turn conversations with tools."""
 
 from tether.rollout.calculator import calculator
 from tether.rollout.model_rollout import Generation, RolloutFromModel

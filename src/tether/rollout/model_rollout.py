@@ -1,11 +1,11 @@
 """``RolloutFromModel``: sample responses from a causal LM and lay them out as RL episodes.
 
-Each prompt becomes an episode of ``max_new_tokens`` steps in the seeds' TensorDict layout
+Each prompt becomes an episode of ``max_new_tokens`` steps in TorchRL's TensorDict layout
 (``action``, ``sample_log_prob``, ``("next", reward / done / terminated ...)``, batch ``[B, N]``).
 The reward is the reward model's score of the finished sequence minus that of the reference
 completion, clipped and paid at the last step, plus ``-kl_coef * (log pi - log pi_ref)`` a step.
 
-Departures from the TorchRL seed: eos and pad ids from the caller, tokenizer or model config
+Departures from TorchRL: eos and pad ids from the caller, tokenizer or model config
 (not GPT-2's 50256); sample log-probs and the log-ratio under the same temperature-scaled
 distribution; no loop over rows and step-wise views only on request (linear memory); ``done``
 once per row, searched in the response only; the reward model sees the eos token; the KL
@@ -39,12 +39,12 @@ __all__ = ["Generation", "RolloutFromModel"]
 class Generation:
     """What ``RolloutFromModel.generate`` returns.
 
-    Unpacks like the seed's triple: ``generated, log_probs, log_ratio = rollout.generate(b)``.
+    Unpacks like TorchRL's triple: ``generated, log_probs, log_ratio = rollout.generate(b)``.
 
     Attributes:
         generated: ``long [B, L + N]``, right-padded: prompt at ``[0, prompt_rindex)``,
             response at ``[prompt_rindex, prompt_rindex + N)``, pad after the response end.
-        log_probs: ``float32 [B, N, 1]`` (the seed's layout), log-prob of each sampled
+        log_probs: ``float32 [B, N, 1]`` (TorchRL's layout), log-prob of each sampled
             token under ``softmax(logits / temperature)`` as recorded while sampling; 0
             after the end.
         log_ratio: ``float [B, N]`` (float32, or float64 for float64 models),
@@ -87,7 +87,7 @@ class RolloutFromModel:
         eos_token_id: int or list of ints ending a response.
         pad_token_id: id written after a response ends.
         generator: torch RNG for reproducible sampling.
-        materialize_steps: also write the seed's step-wise ``input_ids`` / ``attention_mask``
+        materialize_steps: also write TorchRL's step-wise ``input_ids`` / ``attention_mask``
             (and their ``"next"`` twins), ``[B, N, L + N]`` each. Off by default: they cost
             ``O(B * N * (L + N))``; ``stepwise_views(td)`` builds them on demand.
     """

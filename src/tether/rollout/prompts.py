@@ -1,6 +1,6 @@
 """``PromptBatch``: the prompts a rollout starts from, with an optional reference completion.
 
-Layout (the seeds' summarisation layout, right-padded): row ``b`` holds its prompt at
+Layout (TorchRL's summarisation layout, right-padded): row ``b`` holds its prompt at
 positions ``[0, prompt_rindex[b])``. In the TL;DR setting the dataset row continues with
 the human-written reference summary, so positions ``[prompt_rindex[b], n_b)`` may hold that
 completion (``attention_mask`` True up to ``n_b``); padding follows. ``labels`` can give the
@@ -10,7 +10,7 @@ completion's positions, ``-100`` everywhere else); it then takes precedence over
 input_ids`` (the whole row); a row whose first label is not ``-100`` is read that way: its
 prompt labels must equal ``input_ids`` and its completion is ``labels[prompt_rindex:n_b]``.
 
-Departure from the seed's ``PromptData``: the batch is validated (typed errors naming the
+Departure from TorchRL's ``PromptData``: the batch is validated (typed errors naming the
 field), and the prompt end comes only from ``prompt_rindex``, never from searching for a pad
 or eos id, so prompts may contain the eos token (chat templates do).
 """
@@ -200,7 +200,7 @@ class PromptBatch:
         """Prompt followed by the reference completion, the sequence whose score is the baseline.
 
         With ``labels``: the prompt then the label ids (``attention_mask`` on exactly those
-        positions). Without: the row as given (the seed's behaviour, which in the TL;DR
+        positions). Without: the row as given (TorchRL's behaviour, which in the TL;DR
         layout already holds prompt + reference summary).
         """
         if self.labels is None:

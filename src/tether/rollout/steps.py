@@ -2,10 +2,10 @@
 
 Step ``i`` of a response observes the prompt plus the first ``i`` response tokens. The seed
 materialised that as ``[B, N, L + N]`` tensors (quadratic); tether stores the final sequence
-once (a stride-0 view over the steps) and builds the seed's tensors on request with
+once (a stride-0 view over the steps) and builds TorchRL's tensors on request with
 ``stepwise_views`` (``clone()`` of such a TensorDict copies the expanded view).
 
-Fixed where the seed was off: ``done`` is True exactly once per row (first eos of the
+Fixed where TorchRL was off: ``done`` is True exactly once per row (first eos of the
 response, or the last step); ``truncated`` is ``done`` without an eos and an eos at the last
 step terminates; the end is searched for among the response tokens only.
 """

@@ -3,7 +3,7 @@
 At construction the transform snapshots the actor's parameters and buffers (the frozen
 reference ``pi_0``); on a rollout it writes ``reward - coef * (log pi(a) - log pi_0(a))``.
 
-Departures from the TorchRL seed: it subtracts ``coef * kl`` (the seed adds it, rewarding
+Departures from TorchRL: it subtracts ``coef * kl`` (TorchRL adds it, rewarding
 drift); the snapshot follows ``.to(dtype / device)``; the frozen copy runs in eval mode; it is
 a ``TensorDictModuleBase`` usable without TorchRL (the environment transform is in
 ``tether.integrations.torchrl``); missing entries raise a ``KeyError`` naming the key, and the
@@ -188,7 +188,7 @@ class KLRewardTransform(TensorDictModuleBase):
     def kl_coef(self, value: float) -> None:
         self._coef = kl_coefficient("coef", value)
 
-    coef = kl_coef  # the seed's keyword, kept as an alias
+    coef = kl_coef  # TorchRL's keyword, kept as an alias
 
     @staticmethod
     def _resolve(tensordict: TensorDictBase, key: tuple[str, ...]) -> tuple[str, ...]:
