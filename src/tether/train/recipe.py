@@ -172,7 +172,7 @@ def accumulate_gradients(run: Run, record: StepRecord) -> GRPOTokenTerms:
 
 
 def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]:
-    """One step, every stage in order; returns its metrics record."""
+    """One step, every stage in order; returns its line of metrics."""
     cfg, ranks, start = run.cfg, run.ranks, time.perf_counter()
 
     def draw(problems: list[Problem]) -> tuple[StepRecord, Scores]:  # rollout, then reward
@@ -222,11 +222,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, roll
         bar = tqdm(range(opened.start, cfg.steps), initial=opened.start, total=cfg.steps, desc="tether train",
                    disable=not (progress and run.ranks.writer), dynamic_ncols=True)
         for step in bar:
-            record = train_step(run, step, rollout)
-            close_step(run, opened, record)
-            accuracy = {"acc": f"{record['accuracy']:.2f}"} if "accuracy" in record else {}  # none in dataset runs
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", **accuracy, kl=f"{record['kl_per_seq']:.3f}",
-                            beta=f"{record['kl_coef']:.3g}")
+            line = train_step(run, step, rollout)
+            close_step(run, opened, line)
+            accuracy = {"acc": f"{line['accuracy']:.2f}"} if "accuracy" in line else {}  # none in dataset runs
+            bar.set_postfix(reward=f"{line['reward_mean']:.3f}", **accuracy, kl=f"{line['kl_per_seq']:.3f}",
+                            beta=f"{line['kl_coef']:.3g}")
         return close_run(run, opened)
     finally:
         run.tracker.close()

@@ -241,15 +241,15 @@ def open_run(run: Run, *, resume: bool) -> Opened:
     return Opened(start, before, extra, wall)
 
 
-def close_step(run: Run, opened: Opened, record: dict[str, Any]) -> None:
-    """After a step: the periodic evaluation (and best checkpoint), the record logged, and the
+def close_step(run: Run, opened: Opened, line: dict[str, Any]) -> None:
+    """After a step: the periodic evaluation (and best checkpoint), the metrics line logged, and the
     checkpoint at its cadence (always after the last step)."""
-    cfg, done = run.cfg, record["step"]
-    if periodic_eval(run, done, record):
+    cfg, done = run.cfg, line["step"]
+    if periodic_eval(run, done, line):
         save_run(run, done, opened.extra, root=best_root(run.dir), keep=1)
     if run.ranks.writer:
-        run.metrics.append(record)
-    run.tracker.scalars(record)
+        run.metrics.append(line)
+    run.tracker.scalars(line)
     if done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
         save_run(run, done, opened.extra)
 
