@@ -10,6 +10,7 @@ under test; ``examples/`` and ``tests/`` are links to the checkout's. Blocks mar
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,12 @@ def test_code_blocks_run(page: Path, workdir: Path):
             pytest.fail(f"{block.where()}: ran past {BLOCK_TIMEOUT_S} s")
         output = (done.stdout + done.stderr)[-3000:]
         assert done.returncode == 0, f"{block.where()} exited {done.returncode}:\n{output}"
+
+
+def test_shell_commands_name_the_venv_they_run_in():
+    """A reader without an activated venv gets 'command not found' from a bare ``tether`` (or
+    ``torchrun``/``mkdocs``): every bash line, run or not, calls them through ``.venv/bin/``."""
+    bare = re.compile(r"^\s*(tether|torchrun|mkdocs|pytest)\s")
+    found = [f"{block.where()}: {line.strip()}" for page in PAGES for block in read_blocks(page)
+             if block.language == "bash" for line in block.code.splitlines() if bare.match(line)]
+    assert not found, "bare commands (use .venv/bin/...):\n" + "\n".join(found)
