@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.train.test_recipe import interrupted_train, tiny_cfg
+from tether.models.score_sink import HeadHidden
 from tether.models.step_record import StepRecord, group_ids
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, step_problems, train
@@ -41,6 +42,30 @@ def test_cat_then_take_equals_the_rows_written_out():
     assert joined.attention_mask.tolist()[1] == [True, True, False, False, False]
     assert torch.equal(joined.sample_log_probs[1], torch.cat([a.sample_log_probs[0], torch.zeros(2, dtype=torch.float64)]))
     assert joined.responses == ["2.0-3", "1.0-0", "2.0-1"] and joined.episode["turns"].tolist() == [2.0, 1.0, 2.0]
+
+
+def test_the_references_hidden_states_follow_their_rows_through_cat_and_take():
+    """Hidden states kept per assistant token (row-major, 2 per row of width 3, 4 per row of width 5;
+    each vector names its row and position): after cat and take, row i's states are the source
+    row's, in order, so a micro-batch cut (``rows``) reads the right ones. A part without them, or
+    with another head, is refused."""
+    def with_hidden(record: StepRecord, tag: float, weight: torch.Tensor) -> StepRecord:
+        counts = record.assistant_mask.sum(-1)
+        vectors = [torch.tensor([[tag, row, k]]) for row in range(len(record)) for k in range(int(counts[row]))]
+        record.ref_hidden = HeadHidden(torch.cat(vectors), weight)
+        return record
+
+    head = torch.randn(7, 3)
+    a, b = with_hidden(_record(3, 2, 1.0), 1.0, head), with_hidden(_record(5, 4, 2.0), 2.0, head.clone())
+    joined = StepRecord.cat([a, b]).take(torch.tensor([5, 0, 3]))
+    expected = [[2.0, 3, k] for k in range(4)] + [[1.0, 0, k] for k in range(2)] + [[2.0, 1, k] for k in range(4)]
+    assert joined.ref_hidden.hidden.tolist() == expected
+    assert joined.ref_hidden.weight is head
+    assert joined.rows(1, 2).ref_hidden.hidden.tolist() == [[1.0, 0, 0], [1.0, 0, 1]]
+    with pytest.raises(ValueError, match="'ref_hidden' is set in some records and not in others"):
+        StepRecord.cat([a, _record(3, 2, 3.0)])
+    with pytest.raises(ValueError, match="different output heads"):
+        StepRecord.cat([a, with_hidden(_record(3, 2, 4.0), 4.0, head + 1)])
 
 
 def _scripted_draws(rewards_per_draw: list[list[float]], seen: list):

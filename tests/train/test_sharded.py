@@ -96,6 +96,21 @@ def test_kl_budget_on_two_ranks_equals_one_process(tmp_path, lora_rank):
     assert any(r["kl_move_scale"] != 1.0 for r in _metrics(tmp_path / "one"))
 
 
+def test_dynamic_sampling_on_two_ranks_equals_one_process(tmp_path):
+    """Dynamic sampling under --nproc 2: the ranks draw again together while any lacks groups, each
+    keeps its own (records joined after the reference stage, hidden states included), and the run
+    equals one process's. A 0/1 reward (the count task's majority) leaves groups equal often, so
+    steps draw again."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def odd_majority(prompts, completions, **_):\n"
+                      "    texts = [c[-1]['content'] for c in completions]\n"
+                      "    return [float(sum(ord(c) % 2 for c in t) * 2 > len(t)) for t in texts]\n")
+    kw = dict(dynamic_sampling=True, max_resample=2, reward_funcs=str(reward))
+    train(TrainConfig(**_flags(tmp_path / "one", **kw)), progress=False)
+    _assert_same_run(tmp_path / "one", _sharded(tmp_path / "two", **kw), 1e-10)
+    assert any(r["groups_drawn"] > 4 for r in _metrics(tmp_path / "one"))
+
+
 def test_resume_after_step_one_is_bit_identical(lora_runs, tmp_path):
     """A 2-rank run killed during step 2 (its directory as the kill leaves it: step 1's checkpoint,
     no step 2 checkpoint) and resumed ends bit-identical to the uninterrupted 2-rank run;

@@ -63,6 +63,26 @@ class HeadHidden:
         first = int(counts[:begin].sum())
         return HeadHidden(self.hidden[first : first + int(counts[begin:end].sum())], self.weight, self.bias)
 
+    def take(self, where: Tensor, index: Tensor) -> HeadHidden:
+        """The parts belonging to rows ``index`` (``long [N]``, any order) of the batch whose ``where``
+        made it, in that order."""
+        counts = where.sum(-1).to(self.hidden.device)
+        index = index.to(counts.device)
+        starts, picked = counts.cumsum(0) - counts, counts[index]
+        out_starts = picked.cumsum(0) - picked
+        source = torch.arange(int(picked.sum()), device=counts.device) + torch.repeat_interleave(
+            starts[index] - out_starts, picked)
+        return HeadHidden(self.hidden[source], self.weight, self.bias)
+
+    @staticmethod
+    def cat(parts: list[HeadHidden]) -> HeadHidden:
+        """Several batches' hidden states, rows stacked in order; one output head for all."""
+        head = parts[0]
+        if any(not (p.weight is head.weight or torch.equal(p.weight, head.weight)) for p in parts[1:]):
+            raise ValueError("HeadHidden.cat: the parts were kept with different output heads; join hidden "
+                             "states of one model and step only.")
+        return HeadHidden(torch.cat([p.hidden for p in parts]), head.weight, head.bias)
+
 
 @dataclass(frozen=True)
 class ScoredTokens(TokenStats):

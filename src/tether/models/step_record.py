@@ -98,27 +98,27 @@ class StepRecord:
 
     def take(self, index: Tensor) -> StepRecord:
         """Rows ``index`` (``long [N]``, any order) with every field taken alike."""
-        if self.ref_hidden is not None:
-            raise ValueError("StepRecord.take: the reference's hidden states are kept per answer token; "
-                             "take rows before the reference stage.")
         cut = {name: None if getattr(self, name) is None else getattr(self, name)[index] for name in _ROW_FIELDS}
+        hidden = None if self.ref_hidden is None else self.ref_hidden.take(self.assistant_mask, index)
         picked = index.tolist()
         return replace(self, **cut, responses=[self.responses[i] for i in picked] if self.responses else [],
-                       episode={k: v[index] for k, v in self.episode.items()})
+                       ref_hidden=hidden, episode={k: v[index] for k, v in self.episode.items()})
 
     @classmethod
     def cat(cls, parts: list[StepRecord]) -> StepRecord:
         """Several records' rows stacked along ``B`` on the widest grid: a narrower one gets columns
         on the right that no mask covers (ids, log-probs 0). Fields must be present in all or none."""
-        if not parts or any(part.ref_hidden is not None for part in parts):
-            raise ValueError("StepRecord.cat: expected at least one record and none with reference hidden "
-                             "states (join records before the reference stage).")
+        if not parts:
+            raise ValueError("StepRecord.cat: expected at least one record.")
         width = max(part.tokens.shape[1] for part in parts)
         joined: dict[str, Any] = {}
-        for name in _ROW_FIELDS:
+        for name in (*_ROW_FIELDS, "ref_hidden"):
             values = [getattr(part, name) for part in parts]
             if any((v is None) != (values[0] is None) for v in values):
                 raise ValueError(f"StepRecord.cat: {name!r} is set in some records and not in others.")
+        joined["ref_hidden"] = None if parts[0].ref_hidden is None else HeadHidden.cat([p.ref_hidden for p in parts])
+        for name in _ROW_FIELDS:
+            values = [getattr(part, name) for part in parts]
             joined[name] = None if values[0] is None else torch.cat(
                 [v if v.dim() == 1 else torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])
         keys = set(parts[0].episode)
