@@ -35,7 +35,8 @@ def train(config: Any = None, *, dataset: Any = None, reward_funcs: Any = None,
     from tether.train.config import TrainConfig
     from tether.train.recipe import train as run_recipe
     from tether.train.rewards import RewardFunction
-    from tether.train.run import IN_MEMORY, Inputs, build_run
+    from tether.train.run import Inputs, build_run
+    from tether.train.tasks import IN_MEMORY
 
     if config is None or isinstance(config, dict):
         cfg = TrainConfig.from_dict(config or {})

@@ -47,8 +47,8 @@ from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_m
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
-from tether.train.tasks import (Problem, check_data, check_prompt_format, check_tool_task, dataset_task, load_task,
-                                with_episode_limits)
+from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, check_tool_task, dataset_task,
+                                load_task, with_episode_limits)
 
 
 @dataclass
@@ -96,9 +96,6 @@ def _controller(cfg: TrainConfig, leash: Leash) -> Any:
                "budget": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
                "constant": {"kl_coef": cfg.kl_coef}}
     return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
-
-
-IN_MEMORY = "python:"  # config values of data and rewards handed over as Python objects (``Inputs``)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # imported where used: a task file and the command line impor
     from tether.rollout import MultiTurnRollout
 
 Chat = list[dict[str, str]]
+# The config value prefix of data and reward functions handed over as Python objects
+# (``tether.train.train``), e.g. ``dataset: "python:10 rows"``; a resume must hand them over again.
+IN_MEMORY = "python:"
 
 
 class TaskError(TypeError):
@@ -557,7 +560,7 @@ def config_problems(cfg: Any) -> list[str]:
             p.append(f"task and dataset: give one source of prompts, got task={cfg.task!r} and dataset={cfg.dataset!r}")
         if not (cfg.reward_funcs or cfg.reward_model):
             p.append("dataset: a dataset run needs a reward; pass --reward-funcs FILE.py and/or --reward-model DIR")
-    if cfg.reward_funcs and not cfg.reward_funcs.startswith("python:") and not (
+    if cfg.reward_funcs and not cfg.reward_funcs.startswith(IN_MEMORY) and not (
             cfg.reward_funcs.endswith(".py") and Path(cfg.reward_funcs).is_file()):
         p.append(f"reward_funcs: expected an existing .py file, got {cfg.reward_funcs!r}")
     if cfg.reward_model and not Path(cfg.reward_model).is_dir():
