@@ -206,7 +206,8 @@ def test_a_request_with_ids_past_the_vocabulary_fails_alone():
     arrived, so A and C are scored together in the group's one forward pass without waiting out
     max_wait_ms (120 s), and equal local scoring (1e-6). A's masked-out position holding -100 is
     never scored, so it is accepted. Malformed requests that bypass the client's checks are
-    refused by the service with a TypeError."""
+    refused by the service with a TypeError; a hand-built request's 0/1 integer mask is read as
+    bool, as the client reads it."""
     vocab = reference_scorer().model.get_input_embeddings().num_embeddings
     requests = distinct_requests("ABC")
     tokens_a, mask_a = (t.clone() for t in requests["A"])
@@ -231,9 +232,9 @@ def test_a_request_with_ids_past_the_vocabulary_fails_alone():
         float_mask = ScoreRequest("float-mask", tokens_a, mask_a.double())
         with pytest.raises(TypeError, match=r"mask must be a bool \(or 0/1 integer\) mask, got dtype torch.float64"):
             ray.get(client.send(float_mask), timeout=60)
-        int_mask = ScoreRequest("int-mask", tokens_a, mask_a.long())  # the client converts; a hand-made request must not
-        with pytest.raises(TypeError, match="request 'int-mask': ScoreRequest.mask must be bool, got torch.int64"):
-            ray.get(client.send(int_mask), timeout=60)
+        int_mask = ScoreRequest("int-mask", tokens_a, mask_a.long(), "int", tokens_a.shape[0])  # a whole group: no wait
+        reply = ray.get(client.send(int_mask), timeout=60)
+        torch.testing.assert_close(reply.log_probs, local_log_probs(*requests["A"]), rtol=0, atol=1e-6)
         with pytest.raises(TypeError, match="request: expected a tether.ray.ScoreRequest.*got str"):
             ray.get(service.actor.score.remote("tokens"), timeout=60)
     finally:

@@ -116,11 +116,13 @@ class StepRecord:
             values = [getattr(part, name) for part in parts]
             if any((v is None) != (values[0] is None) for v in values):
                 raise ValueError(f"StepRecord.cat: {name!r} is set in some records and not in others.")
-        joined["ref_hidden"] = None if parts[0].ref_hidden is None else HeadHidden.cat([p.ref_hidden for p in parts])
-        for name in _ROW_FIELDS:
-            values = [getattr(part, name) for part in parts]
-            joined[name] = None if values[0] is None else torch.cat(
-                [v if v.dim() == 1 else torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])
+            if values[0] is None:
+                joined[name] = None
+            elif name == "ref_hidden":  # kept per answer token, row-major: rows stacked in order
+                joined[name] = HeadHidden.cat(values)
+            else:
+                joined[name] = torch.cat([v if v.dim() == 1 else torch.nn.functional.pad(v, (0, width - v.shape[1]))
+                                          for v in values])
         keys = set(parts[0].episode)
         if any(set(part.episode) != keys for part in parts):
             raise ValueError("StepRecord.cat: the records' episode counters differ in their keys.")

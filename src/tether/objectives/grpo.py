@@ -122,8 +122,9 @@ class GRPOLoss(nn.Module):
             the maximal response length, Dr. GRPO).
         masking_strategy: TorchRL 0.14's choice of trained tokens: ``"sft"`` and ``"rlhf"``
             the assistant mask (tether's default), ``"generic"`` every valid token that has a
-            prediction (``tensor_keys.loss_mask`` None). ``kl_mask_threshold`` and a ``reduction`` other than ``"mean"``
-            (TorchRL 0.14) are refused by name with the change to make.
+            prediction (``tensor_keys.loss_mask`` None). ``kl_mask_threshold`` and a
+            ``reduction`` other than ``"mean"`` (TorchRL 0.14) are refused by name with the
+            change to make.
 
     ``forward(td, *, denominator=None)`` returns a ``GRPOLossOutput``. ``denominator``
     replaces the outer count of the aggregation (see ``tether.ops.aggregate_denominator``):
@@ -160,8 +161,8 @@ class GRPOLoss(nn.Module):
     ) -> None:
         super().__init__()
         _refuse_torchrl_only(kl_mask_threshold, reduction)
-        if masking_strategy is not None:
-            lookup(_MASKING_STRATEGIES, masking_strategy, "masking_strategy")
+        keys = GRPOKeys() if masking_strategy is None else GRPOKeys(
+            loss_mask=lookup(_MASKING_STRATEGIES, masking_strategy, "masking_strategy"))
         if not callable(getattr(actor_network, "score", None)):
             raise TypeError(
                 f"actor_network must have a score(tokens, attention_mask, *, with_entropy) method, as "
@@ -188,9 +189,7 @@ class GRPOLoss(nn.Module):
         self.importance_correction = importance_correction
         self.importance_cap = importance_cap
         self.device = None if device is None else torch.device(device)
-        self._tensor_keys = GRPOKeys()
-        if masking_strategy is not None:  # train on the mask the strategy names
-            self._tensor_keys = dataclasses.replace(self._tensor_keys, loss_mask=_MASKING_STRATEGIES[masking_strategy])
+        self._tensor_keys = keys
         self._validate_by_dry_run()
 
     def _validate_by_dry_run(self) -> None:

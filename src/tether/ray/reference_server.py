@@ -23,7 +23,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -134,18 +134,17 @@ class ReferenceServer:
         self._repeats = 0
 
     # ------------------------------------------------------------------ requests
-    def _check_form(self, request: Any) -> None:
-        """A ``ScoreRequest`` whose tensors and group fields are well formed (else a typed error)."""
+    def _check_form(self, request: Any) -> ScoreRequest:
+        """``request``, a ``ScoreRequest`` whose tensors and group fields are well formed (else a typed
+        error), with its mask as bool (a hand-built request may carry a 0/1 integer mask)."""
         if not isinstance(request, ScoreRequest) or not isinstance(request.request_id, str):
             raise TypeError(
                 f"request: expected a tether.ray.ScoreRequest with a str request_id, got "
                 f"{type(request).__name__}. Send requests through ReferenceClient.submit."
             )
-        check_batch(request.tokens, request.mask)
-        if request.mask.dtype != torch.bool:  # ReferenceClient.submit converts 0/1 masks; a hand-made request must
-            raise TypeError(f"request {request.request_id!r}: ScoreRequest.mask must be bool, got {request.mask.dtype}; "
-                            "send requests through ReferenceClient.submit, which converts a 0/1 integer mask.")
+        mask = check_batch(request.tokens, request.mask)
         check_group(request.group, request.group_rows, request.tokens.shape[0])
+        return request if mask is request.mask else replace(request, mask=mask)
 
     def _count_arrival(self, group: str, rows: int) -> None:
         self._arrived[group] = self._arrived.get(group, 0) + rows
@@ -156,7 +155,7 @@ class ReferenceServer:
     async def score(self, request: ScoreRequest) -> ScoreReply:
         # Checked before the request joins a batch: a request the forward pass would choke on
         # (ids past the vocabulary, a float mask) fails alone, and its batch-mates are answered.
-        self._check_form(request)
+        request = self._check_form(request)
         try:
             check_token_range(request.tokens, request.mask, self.vocab, f"request {request.request_id!r}")
         except ValueError:
