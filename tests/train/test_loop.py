@@ -17,7 +17,7 @@ from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train import recipe
 from tether.train.recipe import build_run, optimize, train
-from tether.train.run import LR_SCHEDULES, lr_multiplier
+from tether.train.updates import LR_SCHEDULES, lr_multiplier
 from tether.train.updates import minibatch_bounds
 
 

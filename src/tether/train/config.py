@@ -253,7 +253,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.objectives import RATIO_LEVELS
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
     from tether.integrations.trackers import TRACKERS
-    from tether.train.run import LR_SCHEDULES
+    from tether.train.updates import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
     from tether.train.tasks import PROMPT_FORMATS
     from tether.train.updates import KL_SIGNALS

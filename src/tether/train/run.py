@@ -14,8 +14,8 @@ Face directory, or a hub id already in the local cache: nothing is downloaded, a
 read from safetensors only. With LoRA the reference is the policy with its adapter disabled
 unless it has to move (``sync``); full fine-tuning and a continued adapter (``cfg.adapter``) take
 a ``frozen_copy``. ``Models.fingerprint`` identifies the base weights and tokenizer as loaded, so
-a checkpoint refuses another base of the same shapes. The learning rate warms up linearly, then
-stays or decays (``LR_SCHEDULES``).
+a checkpoint refuses another base of the same shapes. The learning rate's schedule is
+``tether.train.updates.make_lr_scheduler``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +48,7 @@ from tether.train.sharding import (Ranks, join_ranks, load_generator_state, reso
                                    share_run)
 from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, check_tool_task, dataset_task,
                                 load_task, with_episode_limits)
+from tether.train.updates import make_lr_scheduler
 
 
 @dataclass
@@ -457,37 +457,3 @@ def reference_scorer(models: Models, cfg: TrainConfig) -> TransformersWrapper:
     """Scoring wrapper of ``models.reference``: log-probs under ``ref_log_probs`` at the sampling temperature."""
     return TransformersWrapper(models.reference, models.tokenizer, input_mode="tokens", generate=False,
                                temperature=cfg.temperature, log_probs_key="ref_log_probs")
-
-
-# ------------------------------------------------------------------------------ learning-rate schedule
-# The unit is the training step (one rollout), the unit of ``steps`` and ``checkpoint_every``: with
-# ``updates_per_rollout > 1`` every update of a step uses that step's learning rate. The multiplier of
-# step ``s`` (0-based, the step being taken) is ``(s + 1) / (warmup + 1)`` during warm-up, so the first
-# step already moves the weights, and afterwards ``f(p)`` with ``p = (s - warmup) / (steps - warmup)``
-# the fraction of the decay done: ``1`` (constant), ``1 - p`` (linear) or ``(1 + cos(pi p)) / 2``
-# (cosine). The scheduler's state is saved in the checkpoint. The horizon is the run's ``steps``:
-# extending a run with ``--resume --steps N`` stretches the rest of the decay over the new horizon.
-LR_SCHEDULES: dict[str, Callable[[float], float]] = {
-    "constant": lambda done: 1.0,
-    "linear": lambda done: 1.0 - done,
-    "cosine": lambda done: 0.5 * (1.0 + math.cos(math.pi * done)),
-}
-
-
-def lr_multiplier(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
-    """Factor on the base learning rate for the 0-based ``step`` of a run of ``total_steps``."""
-    decay = lookup(LR_SCHEDULES, schedule, "lr_schedule")
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    span = max(total_steps - warmup_steps, 1)
-    return decay(min((step - warmup_steps) / span, 1.0))
-
-
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, *, schedule: str, warmup_steps: int,
-                      total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` stepped once per training step; its ``last_epoch`` is the next step's index."""
-    lookup(LR_SCHEDULES, schedule, "lr_schedule")
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_multiplier(step, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps),
-    )
