@@ -1,5 +1,5 @@
 """Re-layouts of ``tether.models`` built on ``tether.ops.masks.padded_index`` (``batch_io.repack``,
-``score_plan.iter_micro_batches``) and the plan's equal-length slices against Python loops, exactly."""
+``score_plan.iter_micro_batches``) against Python loops, exactly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tether.models.batch_io import repack
-from tether.models.score_plan import iter_micro_batches, plan_equal_length_batches, plan_micro_batches
+from tether.models.score_plan import iter_micro_batches, plan_micro_batches
 from tests.ops.test_relayout import SIDES, _naive_padded, _ragged
 
 
@@ -42,14 +42,3 @@ def test_micro_batches_lay_rows_out_right_padded_with_their_grid_positions(budge
         assert mb.ids.tolist() == ids
         assert mb.valid.tolist() == [[t < lengths[b] for t in range(width)] for b in rows]
         assert mb.flat_index.tolist() == flat
-
-
-@pytest.mark.parametrize("budget", [1, 5, 9, 100])
-def test_equal_length_batches_cut_each_length_into_budget_sized_slices(budget):
-    lengths = torch.tensor([3, 1, 3, 0, 3, 2, 3, 1, 3])
-    expected = []
-    for n in sorted(set(lengths.tolist())):
-        same = [b for b in range(9) if lengths[b] == n]
-        size = max(1, budget // max(n, 1))
-        expected += [same[i : i + size] for i in range(0, len(same), size)]
-    assert [g.tolist() for g in plan_equal_length_batches(lengths, budget)] == expected

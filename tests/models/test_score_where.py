@@ -94,6 +94,39 @@ def test_exact_kl_from_the_references_kept_hidden_states_is_the_naive_kl(two_mod
                                rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_a_kl_only_pass_gives_the_same_kl_without_the_log_probs_head(two_models, share_prefix):
+    """``log_probs=False`` (the KL budget's readings): the exact KL equals the full pass's bit for
+    bit, no log-probs come back, and the log-prob head never runs (it is a third of the head's
+    matrix products: the policy's logits once for the log-probs, both sides once for the KL)."""
+    policy, reference = two_models
+    tokens, mask = grpo_batch([3, 6, 5], group=3, max_response=4, seed=6)
+    where = _answers(tokens, mask)
+    kept = score_tokens(reference, tokens, mask, where=where, keep_hidden=True, share_prefix=share_prefix).hidden
+    full = score_tokens(policy, tokens, mask, where=where, kl_to=kept, share_prefix=share_prefix)
+    calls = []
+    real = score_sink.token_stats_from_hidden
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(score_sink, "token_stats_from_hidden", counting), torch.no_grad():
+        only = score_tokens(policy, tokens, mask, where=where, kl_to=kept, share_prefix=share_prefix, log_probs=False)
+    assert calls == [] and only.log_probs is None
+    assert torch.equal(only.exact_kl, full.exact_kl)
+
+
+def test_a_pass_without_log_probs_must_ask_for_the_kl(two_models):
+    policy, reference = two_models
+    tokens, mask = grpo_batch([3, 6], group=2, max_response=3, seed=5)
+    where = _answers(tokens, mask)
+    kept = score_tokens(reference, tokens, mask, where=where, keep_hidden=True).hidden
+    for kwargs in ({}, {"kl_to": kept, "with_entropy": True}):
+        with pytest.raises(ValueError, match="log_probs=False: a scoring call without log-probs computes only the exact KL"):
+            score_tokens(policy, tokens, mask, where=where, log_probs=False, **kwargs)
+
+
 def test_kept_hidden_states_cut_by_rows_serve_micro_batches(two_models):
     """``HeadHidden.rows`` hands each micro-batch its own rows: scoring rows 0:4 and 4:9 apart
     against their slices gives the exact KL of the whole batch."""

@@ -65,20 +65,6 @@ def plan_micro_batches(lengths: Tensor, token_budget: int, *, packed: bool = Fal
     return groups
 
 
-def plan_equal_length_batches(lengths: Tensor, token_budget: int) -> list[Tensor]:
-    """Group row indices by exact length, each group cut to at most ``budget // length`` rows.
-
-    Used where rows must run unpadded (a fully padded query row makes some attention
-    kernels return NaN); groups come shortest length first, rows in index order.
-    """
-    groups: list[Tensor] = []
-    for length in sorted(set(lengths.tolist())):
-        same = (lengths == length).nonzero().flatten()
-        size = max(1, token_budget // max(length, 1))
-        groups.extend(same[begin:end] for begin, end in row_slices(same.numel(), size))
-    return groups
-
-
 @dataclass(frozen=True)
 class MicroBatch:
     """One right-padded micro-batch cut out of a ``[B, T]`` batch."""

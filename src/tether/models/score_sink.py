@@ -89,11 +89,13 @@ class ScoredTokens(TokenStats):
     """``TokenStats`` plus what a scoring call was asked to keep or compare.
 
     Attributes:
+        log_probs: as ``TokenStats``; None when the call passed ``log_probs=False``.
         hidden: the model's hidden states at ``where`` (``keep_hidden=True``), else None.
         exact_kl: ``[B, T]`` full-vocabulary ``KL(model || other)`` at ``where`` against the
             ``kl_to`` hidden states (0 elsewhere, no gradient), else None.
     """
 
+    log_probs: Tensor | None  # None when the call was asked for no log-probs (``log_probs=False``)
     hidden: HeadHidden | None = None
     exact_kl: Tensor | None = None
 
@@ -137,7 +139,7 @@ class TokenSink:
 
     def __init__(self, head: nn.Module, shape: tuple[int, int], *, where: Tensor | None, temperature: float,
                  chunk_size: int | None, with_entropy: bool, keep_hidden: bool = False,
-                 kl_to: HeadHidden | None = None) -> None:
+                 kl_to: HeadHidden | None = None, log_probs: bool = True) -> None:
         self.head, self.shape = head, shape
         device = head.weight.device
         self.where = None if where is None else where.reshape(-1).to(device)
@@ -153,7 +155,11 @@ class TokenSink:
         self.rank = None if where is None else self.where.long().cumsum(0) - 1
         chunk_size = default_chunk_size(head.weight) if chunk_size is None else chunk_size
         self.kwargs = {"temperature": temperature, **({} if chunk_size is None else {"chunk_size": chunk_size})}
+        if not log_probs and (with_entropy or kl_to is None):
+            raise ValueError("log_probs=False: a scoring call without log-probs computes only the exact KL; pass "
+                             "kl_to (and no with_entropy), or keep log_probs=True.")
         self.with_entropy, self.keep_hidden, self.kl_to = with_entropy, keep_hidden, kl_to
+        self.with_log_probs = log_probs
         self.index: list[Tensor] = []
         self.log_probs: list[Tensor] = []
         self.entropy: list[Tensor] = []
@@ -170,9 +176,11 @@ class TokenSink:
         if chosen is not None:
             hidden, labels, flat_index = hidden[chosen], labels[chosen], flat_index[chosen]
         head = self.head
-        stats = token_stats_from_hidden(hidden, head.weight, labels, lm_head_bias=getattr(head, "bias", None),
-                                        with_entropy=self.with_entropy, **self.kwargs)
-        self._append(stats, flat_index)
+        if self.with_log_probs:
+            self._append(token_stats_from_hidden(hidden, head.weight, labels, lm_head_bias=getattr(head, "bias", None),
+                                                 with_entropy=self.with_entropy, **self.kwargs), flat_index)
+        else:
+            self.index.append(flat_index)
         if self.keep_hidden:
             self.kept.append(hidden.detach())
         if self.kl_to is not None:
@@ -213,7 +221,7 @@ class TokenSink:
                 )
             hidden = HeadHidden(rows, self.head.weight.detach(), _detached(getattr(self.head, "bias", None)))
         return ScoredTokens(
-            log_probs=grid(self.log_probs),
+            log_probs=grid(self.log_probs) if self.with_log_probs else None,
             entropy=grid(self.entropy) if self.with_entropy else None,
             hidden=hidden,
             exact_kl=grid(self.kl) if self.kl_to is not None else None,

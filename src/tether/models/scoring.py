@@ -116,6 +116,7 @@ def score_tokens(
     where: Tensor | None = None,
     keep_hidden: bool = False,
     kl_to: HeadHidden | None = None,
+    log_probs: bool = True,
 ) -> ScoredTokens:
     """Log-prob (and entropy) of each token given its prefix, padding-free.
 
@@ -140,6 +141,8 @@ def score_tokens(
         kl_to: hidden states another model kept at the same ``where`` of the same tokens;
             the exact full-vocabulary KL from this model to that one is returned per token
             (``ScoredTokens.exact_kl``, no gradient).
+        log_probs: False skips the log-probs (``ScoredTokens.log_probs`` is None), a third of
+            the head's work when only ``kl_to``'s exact KL is wanted (the KL budget's readings).
 
     Returns:
         ``ScoredTokens`` with ``log_probs [B, T]`` (and ``entropy [B, T]``), 0 at the first
@@ -158,7 +161,7 @@ def score_tokens(
                 "hidden states and the exact KL from them need a plain linear head. Use the sampled KL instead."
             )
         sink = TokenSink(parts.head, tuple(tokens.shape), where=where, temperature=temperature, chunk_size=chunk_size,
-                         with_entropy=with_entropy, keep_hidden=keep_hidden, kl_to=kl_to)
+                         with_entropy=with_entropy, keep_hidden=keep_hidden, kl_to=kl_to, log_probs=log_probs)
         if not (share_prefix and _score_shared(parts, tokens, attention_mask, token_budget, sink)):
             _score(parts, tokens, attention_mask, token_budget, sink)
         return sink.result()

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from tether._compat import cache_layers, new_cache
-from tether.models.score_plan import distinct_rows, plan_equal_length_batches, plan_micro_batches
+from tether.models.score_plan import distinct_rows, plan_micro_batches, row_spans
 from tether.models.score_sink import TokenSink
 from tether.ops import TokenStats, token_stats_from_hidden
-from tether.ops.masks import position_ids
+from tether.ops.masks import padded_index, position_ids
 
 
 @dataclass(frozen=True)
@@ -93,31 +92,43 @@ def _run_prefixes(
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]] | None:
     """Hidden states ``[U, P, H]`` and per-layer keys/values of the distinct prefixes.
 
-    Each length group runs unpadded (a fully padded query row makes some attention kernels
-    return NaN, whose gradient would leak into real keys) and is then left-padded with zeros
-    to width P; the pad keys are masked for every later query. None when the decoder's cache
-    is not a plain full-attention one.
+    The left-padded prefixes run right-padded, in length-sorted micro-batches under the token
+    budget (a pad query then still sees its row's real keys, where a left pad query would see
+    none and some attention kernels return NaN, whose gradient leaks into real keys), and come
+    back left-padded to width P; the pad entries are masked for every later query. None when
+    the decoder's cache is not a plain full-attention one.
     """
     cut = prefix_ids.shape[1]
-    prefix_len = prefix_mask.sum(-1)
+    start, lengths = row_spans(prefix_mask)
+    flat = prefix_ids.reshape(-1)
     hidden_parts: list[Tensor] = []
     kv_parts: list[list[tuple[Tensor, Tensor]]] = []
     order: list[Tensor] = []
-    for chunk in plan_equal_length_batches(prefix_len, token_budget):
-        length = int(prefix_len[chunk[0]])
+    for rows in plan_micro_batches(lengths, token_budget):
+        longest = int(lengths[rows].max())
+        index, valid = padded_index(rows * cut + start[rows], lengths[rows], longest, fill_index=0)
         cache = new_cache()
-        out = decoder(input_ids=prefix_ids[chunk, cut - length :], past_key_values=cache, use_cache=True)
+        out = decoder(input_ids=flat[index], attention_mask=valid.long(), past_key_values=cache, use_cache=True)
         layers = cache_layers(cache)
         if layers is None:
             return None
-        pad = cut - length
-        hidden_parts.append(F.pad(out.last_hidden_state, (0, 0, pad, 0)))
-        kv_parts.append([(F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))) for k, v in layers])
-        order.append(chunk)
-    back = torch.argsort(torch.cat(order))  # chunk order -> representative order
+        # Column c of the left-padded layout reads column c - (P - length) of the right-padded one.
+        back, left = padded_index(torch.zeros_like(rows), lengths[rows], cut, padding_side="left", fill_index=0)
+        hidden_parts.append(_relayout(out.last_hidden_state, back, left, dim=1))
+        kv_parts.append([(_relayout(k, back, left, dim=2), _relayout(v, back, left, dim=2)) for k, v in layers])
+        order.append(rows)
+    back = torch.argsort(torch.cat(order))  # micro-batch order -> representative order
     kv = [(torch.cat([part[i][0] for part in kv_parts])[back], torch.cat([part[i][1] for part in kv_parts])[back])
           for i in range(len(kv_parts[0]))]
     return torch.cat(hidden_parts)[back], kv
+
+
+def _relayout(values: Tensor, columns: Tensor, keep: Tensor, *, dim: int) -> Tensor:
+    """``values`` (rows first, positions along ``dim``) at ``columns [r, P]``, zero where not ``keep``."""
+    shape = [1] * values.ndim
+    shape[0], shape[dim] = columns.shape
+    index = columns.view(shape).expand(*values.shape[:dim], columns.shape[1], *values.shape[dim + 1 :])
+    return values.gather(dim, index).masked_fill(~keep.view(shape), 0.0)
 
 
 def score_with_shared_prefix(

@@ -195,12 +195,12 @@ class TransformersWrapper(TensorDictModuleBase):
         return td
 
     def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False, where: Tensor | None = None,
-              keep_hidden: bool = False, kl_to: HeadHidden | None = None) -> ScoredTokens:
+              keep_hidden: bool = False, kl_to: HeadHidden | None = None, log_probs: bool = True) -> ScoredTokens:
         """Per-token log-probs (and entropies) of ``tokens [B, T]`` under this model.
 
-        ``where``, ``keep_hidden`` and ``kl_to`` are those of ``tether.models.scoring.score_tokens``
-        (score only some positions, keep their hidden states, exact KL against another
-        model's). Differentiable when grad mode is on; the result lives on the model's device.
+        ``where``, ``keep_hidden``, ``kl_to`` and ``log_probs`` are those of
+        ``tether.models.scoring.score_tokens`` (score only some positions, keep their hidden
+        states, exact KL against another model's, skip the log-probs). Differentiable when grad mode is on; the result lives on the model's device.
         """
         budget, share = default_layout(self.device)
         return score_tokens(
@@ -215,6 +215,7 @@ class TransformersWrapper(TensorDictModuleBase):
             where=None if where is None else where.to(self.device),
             keep_hidden=keep_hidden,
             kl_to=kl_to,
+            log_probs=log_probs,
         )
 
     # ---------------------------------------------------------------- encoding

@@ -138,9 +138,9 @@ def answer_kl(actor: Any, record: StepRecord) -> Tensor:
     """``[B]`` the KL of ``actor``'s model to the reference along each of ``record``'s answers:
     exact over the vocabulary from ``record.ref_hidden``, else k1 of the sampled tokens against
     ``record.ref_log_probs`` (a reference that returned log-probs only)."""
-    mask = record.assistant_mask
-    scored = actor.score(record.tokens, record.attention_mask, where=mask, kl_to=record.ref_hidden)
-    per_token = scored.exact_kl if record.ref_hidden is not None else kl_k1(scored.log_probs, record.ref_log_probs)
+    mask, exact = record.assistant_mask, record.ref_hidden is not None
+    scored = actor.score(record.tokens, record.attention_mask, where=mask, kl_to=record.ref_hidden, log_probs=not exact)
+    per_token = scored.exact_kl if exact else kl_k1(scored.log_probs, record.ref_log_probs)
     return (per_token.double() * mask.to(per_token.device)).sum(-1).cpu()
 
 
