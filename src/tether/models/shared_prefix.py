@@ -168,7 +168,6 @@ def _score_prefix_tokens(prefix_hidden: Tensor, prefix_ids: Tensor, prefix_mask:
     sharing it; with ``where`` only the wanted positions are, row by row (an answer rarely
     reaches into the shared prefix, so there is usually nothing to do).
     """
-    batch, cut = split.inverse.shape[0], prefix_ids.shape[1]
     keep = (prefix_mask[:, :-1] & prefix_mask[:, 1:])[split.inverse]  # [B, P-1]: predicts token col + 1
     rows, cols = keep.nonzero(as_tuple=True)
     flat = rows * width + cols + 1
