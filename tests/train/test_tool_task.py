@@ -18,7 +18,7 @@ from tether.rollout import MultiTurnRollout
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, train, train_step
-from tether.train.tasks import (EXAMPLE, PHRASINGS, SYSTEM_PROMPT, TASKS, Problem, ToolUse, check_tool_task, load_task,
+from tether.train.tasks import (EXAMPLE, PHRASINGS, SYSTEM_PROMPT, TASKS, Problem, ToolUse, load_task,
                                 with_episode_limits)
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -101,12 +101,6 @@ def test_train_smoke_on_the_tiny_model(tmp_path):
     assert summary["eval_turns_per_episode_before"] >= 1 and "eval_tool_call_rate_after" in summary
     for key in ("tool_call_rate", "tool_error_rate", "turns_per_episode"):
         assert (tmp_path / "run" / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_workers_refused_for_tool_tasks():
-    with pytest.raises(ValueError, match=r"workers=2: task 'arithmetic-tools' needs multi-turn rollouts.*workers=0"):
-        check_tool_task(load_task("arithmetic-tools"), 2)
-    check_tool_task(load_task("arithmetic"), 2)
 
 
 def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):

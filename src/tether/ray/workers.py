@@ -44,6 +44,7 @@ from tether.ray._runtime import (
 )
 from tether.ray.reference_client import ReferenceClient
 from tether.ray.reference_service import ReferenceService
+from tether.rollout import MultiTurnRollout
 
 __all__ = [
     "RolloutPool",
@@ -69,11 +70,16 @@ class WorkerModel:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How workers sample. ``threads`` > 0 sets torch's intra-op threads in each worker."""
+    """How workers sample. ``threads`` > 0 sets torch's intra-op threads in each worker. With
+    ``tools`` (names in ``tether.rollout.TOOLS``) each chat is a multi-turn episode, as
+    ``tether.rollout.MultiTurnRollout`` runs it with ``max_turns`` and ``max_tokens``."""
 
     temperature: float = 1.0
     max_new_tokens: int = 20
     threads: int = 0
+    tools: tuple[str, ...] = ()
+    max_turns: int = 4
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -185,8 +191,11 @@ class RolloutWorker:
             generate_kwargs={"max_new_tokens": self.settings.max_new_tokens, "generator": generator},
         )
         batch = chat_batch(chats, key=("history", "prompt"))
+        settings = self.settings
+        rollout = sampler if not settings.tools else MultiTurnRollout(
+            sampler, list(settings.tools), max_turns=settings.max_turns, max_tokens=settings.max_tokens)
         with torch.no_grad():
-            sampler(batch)
+            rollout(batch)
         sampled = time.perf_counter()
         reply = self.reference.submit(batch["tokens", "full"], batch["masks", "all_attention_mask"],
                                       request_id=request_id, group=group, group_rows=group_rows).reply()

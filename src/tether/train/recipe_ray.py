@@ -41,7 +41,7 @@ from tether.train import recipe
 from tether.train.config import TrainConfig
 from tether.train.recipe_sharded import sharded_rollout
 from tether.train.run import Run, build_models, build_run, reference_scorer
-from tether.train.tasks import Problem
+from tether.train.tasks import Problem, ToolUse
 
 
 class SampledKLNote(UserWarning):
@@ -77,7 +77,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         warnings.warn("kl_signal=exact: the Ray ReferenceService returns log-probs only, so this run's leash and "
                       "kl_bound read the sampled KL (the metrics' kl_signal says so).", SampledKLNote, stacklevel=2)
     run = build_run(cfg, fresh=not resume)
-    pool = run.ranks.on_writer(lambda: start_workers(cfg))  # rank 0's; None on the others
+    pool = run.ranks.on_writer(lambda: start_workers(cfg, run.task.tool_use))  # rank 0's; None on the others
     rollout = ray_rollout(pool)
     if run.ranks.size > 1:  # rank 0 reads the whole policy to push it to the workers
         rollout = sharded_rollout(rollout, recipe.add_reference)
@@ -138,8 +138,9 @@ def _cpu_share(actors: int) -> float:
     return share
 
 
-def start_workers(cfg: TrainConfig) -> RolloutPool:
-    """The reference service and ``cfg.workers`` rollout workers, ready to sample."""
+def start_workers(cfg: TrainConfig, tool_use: ToolUse | None = None) -> RolloutPool:
+    """The reference service and ``cfg.workers`` rollout workers, ready to sample (multi-turn
+    episodes with the task's tools when it has ``tool_use``)."""
     owns_ray = _connect(cfg)
     service = None
     try:
@@ -150,8 +151,10 @@ def start_workers(cfg: TrainConfig) -> RolloutPool:
             answer_cache=_ANSWERS_PER_WORKER * cfg.workers, ready_timeout_s=cfg.ray_timeout,
             timeout_s=cfg.ray_timeout,
         )
+        tools = {} if tool_use is None else dict(tools=tool_use.tools, max_turns=tool_use.max_turns,
+                                                 max_tokens=tool_use.max_tokens)
         settings = SamplingSettings(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                    threads=cfg.threads)
+                                    threads=cfg.threads, **tools)
         return RolloutPool(num_workers=cfg.workers, policy_factory=functools.partial(worker_policy, cfg),
                            service=service, settings=settings, seed=cfg.seed, group_size=cfg.group_size,
                            num_cpus=share, owns_ray=owns_ray, ready_timeout_s=cfg.ray_timeout,

@@ -46,7 +46,7 @@ from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_m
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
-from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, check_tool_task, dataset_task,
+from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
                                 load_task, with_episode_limits)
 from tether.train.updates import make_lr_scheduler
 
@@ -129,7 +129,6 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     task = dataset_task(cfg, inputs.rows, inputs.eval_rows) if cfg.dataset else load_task(cfg.task)
-    check_tool_task(task, cfg.workers)
     functions = reward_functions(cfg, task, inputs.functions)  # before the models: a dataset lacking a column fails first
     models = build_models(cfg)
     shard_models(models, ranks)  # before the optimizer takes the parameters

@@ -275,12 +275,12 @@ def load_task(name_or_path: str) -> Task:
 
 
 # ------------------------------------------------------------------------------ tool episodes
-# The recipe calls four things from here and is otherwise unchanged: ``with_episode_limits`` puts the
+# The recipe calls three things from here and is otherwise unchanged: ``with_episode_limits`` puts the
 # run's ``max_turns`` / ``max_episode_tokens`` into the task's ``ToolUse`` at start-up, ``tool_rollout``
 # replaces the single-turn sampling of a step (the batch carries the same keys, with the assistant mask
-# covering every assistant message and the log-probs recorded at sampling), ``tool_metrics`` adds the
-# step's tool statistics to its metrics line, and ``check_tool_task`` refuses set-ups that cannot run
-# them yet. Evaluation runs the same rollout with greedy decoding through ``make_tool_rollout``.
+# covering every assistant message and the log-probs recorded at sampling), and ``tool_metrics`` adds the
+# step's tool statistics to its metrics line. Evaluation runs the same rollout with greedy decoding through
+# ``make_tool_rollout``; Ray rollout workers run it with the task's ``ToolUse`` (``recipe_ray.start_workers``).
 def make_tool_rollout(task: Task, sampler: TransformersWrapper) -> MultiTurnRollout | None:
     """The task's multi-turn rollout over ``sampler``, or None for a single-turn task."""
     from tether.rollout import MultiTurnRollout
@@ -289,15 +289,6 @@ def make_tool_rollout(task: Task, sampler: TransformersWrapper) -> MultiTurnRoll
     if use is None:
         return None
     return MultiTurnRollout(sampler, list(use.tools), max_turns=use.max_turns, max_tokens=use.max_tokens)
-
-
-def check_tool_task(task: Task, workers: int) -> None:
-    """Refuse Ray rollout workers for a tool task: they sample single-turn answers only."""
-    if task.tool_use is not None and workers > 0:
-        raise ValueError(
-            f"workers={workers}: task {task.name!r} needs multi-turn rollouts with tools, which run "
-            "in-process only; use workers=0."
-        )
 
 
 def with_episode_limits(task: Task, cfg: Any, tokenizer: Any) -> Task:
