@@ -18,16 +18,15 @@ from torch import Tensor
 from tether.ops.slices import row_slices
 
 
-def shift_max_(z: Tensor, dim: int = -1) -> Tensor:
-    """Subtract each row's max from ``z`` in place and return the shift ``[C, 1]`` (the
-    vocabulary along ``dim``; ``dim=0``: columns of a ``[V, C]`` chunk, shift ``[1, C]``).
+def shift_max_(z: Tensor) -> Tensor:
+    """Subtract each row's max from ``z`` in place and return the shift ``[C, 1]``.
 
     After the shift every entry is ``<= 0``, so ``exp`` cannot overflow. A row whose
     logits are all ``-inf`` is shifted by 0 instead of by its max (``-inf - -inf`` is NaN):
     it stays all ``-inf``, its ``exp`` sums to 0 and its log-sum-exp is ``-inf``, which is
     how callers recognise a position without any distribution.
     """
-    shift = z.amax(dim=dim, keepdim=True)
+    shift = z.amax(dim=-1, keepdim=True)
     shift.masked_fill_(shift == float("-inf"), 0.0)
     z.sub_(shift)
     return shift
@@ -123,30 +122,6 @@ def head_logits(
     if hidden.dtype == out.dtype:
         return torch.addmm(bias, hidden, weight.t(), beta=scale, alpha=scale, out=out)
     out.copy_(F.linear(hidden, weight, bias))
-    if temperature != 1.0:
-        out.div_(temperature)
-    return out
-
-
-def head_logits_by_column(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    temperature: float,
-    out: Tensor,
-) -> Tensor:
-    """``head_logits`` transposed: ``(weight @ hidden.T + bias) / temperature`` in ``out`` ``[V, C]``.
-
-    A forward that only reduces over the vocabulary may take this layout: on the 2-core CPU
-    the exact KL of the embedded model's head over 1,383 tokens took 2.3 s this way against
-    3.6 s in ``[C, V]`` chunks (``docs/performance.md``).
-    """
-    scale = 1.0 / temperature
-    if hidden.dtype == out.dtype:
-        if bias is None:
-            return torch.addmm(out, weight, hidden.t(), beta=0.0, alpha=scale, out=out)
-        return torch.addmm(bias[:, None], weight, hidden.t(), beta=scale, alpha=scale, out=out)
-    out.copy_(weight @ hidden.t() if bias is None else torch.addmm(bias[:, None], weight, hidden.t()))
     if temperature != 1.0:
         out.div_(temperature)
     return out

@@ -35,7 +35,6 @@ from tether.ops._vocab_chunks import (
     HeadGrads,
     first_order_only,
     head_logits,
-    head_logits_by_column,
     load_logits,
     shift_max_,
 )
@@ -43,26 +42,25 @@ from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
 from tether.ops.slices import row_slices
 
 
-def _log_softmax_(z: Tensor, spare: Tensor, dim: int = -1) -> Tensor:
-    """Turn ``z`` into ``log_softmax(z)`` along ``dim`` in place; ``spare`` receives ``exp(z - max)``.
+def _log_softmax_(z: Tensor, spare: Tensor) -> Tensor:
+    """Turn ``z`` into ``log_softmax(z)`` in place; ``spare`` receives ``exp(z - max)``.
 
-    Returns the sums ``[C, 1]`` of ``spare`` (so ``spare / sums`` is the softmax).
+    Returns the row sums ``[C, 1]`` of ``spare`` (so ``spare / sums`` is the softmax).
     """
-    shift_max_(z, dim)
-    total = torch.exp(z, out=spare).sum(dim, keepdim=True)
+    shift_max_(z)
+    total = torch.exp(z, out=spare).sum(-1, keepdim=True)
     # A row of all -inf (total 0) stays all -inf: log q = -inf for every entry.
     z.sub_(total.log().masked_fill_(total == 0, 0.0))
     return total
 
 
-def _chunk_kl(z: Tensor, y: Tensor, spare: Tensor, dim: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """KL ``[C]``, ``p`` and ``log p - log q`` ``[C, V]`` for scaled logits ``z``, ``y`` (the
-    vocabulary along ``dim``: ``dim=0`` takes ``[V, C]`` chunks).
+def _chunk_kl(z: Tensor, y: Tensor, spare: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """KL ``[C]``, ``p`` and ``log p - log q`` ``[C, V]`` for scaled logits ``z``, ``y``.
 
-    Overwrites all three buffers: ``p`` ends in ``spare``, the log-ratio in ``z``.
+    Overwrites all three ``[C, V]`` buffers: ``p`` ends in ``spare``, the log-ratio in ``z``.
     """
-    _log_softmax_(y, spare, dim)
-    total = _log_softmax_(z, spare, dim)
+    _log_softmax_(y, spare)
+    total = _log_softmax_(z, spare)
     # total >= 1 wherever the row has a finite max (that entry adds exp(0)); a policy row
     # of all -inf (total 0) defines no distribution: p = 0 there (so its gradient is 0)
     # and its KL is set to NaN below rather than to a made-up number.
@@ -71,7 +69,7 @@ def _chunk_kl(z: Tensor, y: Tensor, spare: Tensor, dim: int = -1) -> tuple[Tenso
     # Entries with p == 0 hold (-inf) - (-inf) = NaN or -inf - finite; their term is 0.
     # Masking on p == 0 rather than keeping p > 0 lets NaN inputs stay visible as NaN.
     terms = torch.mul(p, diff, out=y).masked_fill_(p == 0, 0.0)
-    kl = terms.sum(dim).masked_fill_(total.squeeze(dim) == 0, float("nan"))
+    kl = terms.sum(-1).masked_fill_(total.squeeze(-1) == 0, float("nan"))
     return kl, p, diff
 
 
@@ -83,25 +81,21 @@ def _chunk_kl_grad(z: Tensor, y: Tensor, spare: Tensor, g: Tensor) -> Tensor:
 
 
 class _KLScratch:
-    """Three reusable buffers: policy logits, reference logits, probabilities; ``[C, V]`` chunks,
-    or ``[V, C]`` ones with ``by_column`` (each a contiguous view of its flat buffer)."""
+    """Three reusable ``[C, V]`` buffers: policy logits, reference logits, probabilities."""
 
-    def __init__(self, rows: int, vocab: int, like: Tensor, dtype: torch.dtype, by_column: bool = False):
-        self.vocab, self.by_column = vocab, by_column
-        self.buffers = [like.new_empty(rows * vocab, dtype=dtype) for _ in range(3)]
+    def __init__(self, rows: int, vocab: int, like: Tensor, dtype: torch.dtype):
+        self.buffers = [like.new_empty(rows, vocab, dtype=dtype) for _ in range(3)]
 
     def take(self, rows: int) -> list[Tensor]:
-        shape = (self.vocab, rows) if self.by_column else (rows, self.vocab)
-        return [b[: rows * self.vocab].view(shape) for b in self.buffers]
+        return [b[:rows] for b in self.buffers]
 
 
-def _kl_forward(load_z, load_y, like, n, vocab, dtype, chunk_size, by_column: bool = False) -> Tensor:
+def _kl_forward(load_z, load_y, like, n, vocab, dtype, chunk_size) -> Tensor:
     kl = like.new_empty(n, dtype=dtype)
-    scratch = _KLScratch(min(chunk_size, n), vocab, like, dtype, by_column)
-    dim = 0 if by_column else -1
+    scratch = _KLScratch(min(chunk_size, n), vocab, like, dtype)
     for start, stop in row_slices(n, chunk_size):
         z, y, spare = scratch.take(stop - start)
-        kl[start:stop] = _chunk_kl(load_z(start, stop, z), load_y(start, stop, y), spare, dim)[0]
+        kl[start:stop] = _chunk_kl(load_z(start, stop, z), load_y(start, stop, y), spare)[0]
     return kl
 
 
@@ -172,17 +166,14 @@ class _HiddenKL(torch.autograd.Function):
         ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, temperature, chunk_size
     ):
         dtype = compute_dtype(hidden.dtype, ref_hidden.dtype)
-        # Only vocabulary sums leave the forward, so it takes the faster [V, C] layout; the
-        # backward, which multiplies the chunk by the hidden states, keeps [C, V].
         kl = _kl_forward(
-            lambda a, b, out: head_logits_by_column(hidden[a:b], weight, bias, temperature, out),
-            lambda a, b, out: head_logits_by_column(ref_hidden[a:b], ref_weight, ref_bias, temperature, out),
+            lambda a, b, out: head_logits(hidden[a:b], weight, bias, temperature, out),
+            lambda a, b, out: head_logits(ref_hidden[a:b], ref_weight, ref_bias, temperature, out),
             hidden,
             hidden.shape[0],
             weight.shape[0],
             dtype,
             chunk_size,
-            by_column=True,
         )
         ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias)
         ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
