@@ -11,9 +11,7 @@ variant is timed ``--repeats`` times:
 * ``separate exact pass``: ``exact_kl_tokens(policy, reference, where=assistant mask)``;
 * ``budget reading``: what ``kl_controller=budget`` spends per reading after the update, one
   no-grad policy pass against the kept hidden states (``tether.train.updates.answer_kl``); a
-  step spends one reading when the update stays in the band, two or more when it moves it;
-* ``KL head, [C, V] chunks`` / ``[V, C] chunks``: the exact KL's forward from the two models'
-  hidden states at the answer tokens alone, in the two chunk layouts (the forward uses ``[V, C]``).
+  step spends one reading when the update stays in the band, two or more when it moves it.
 
     python benchmarks/exact_kl_cost.py [--repeats 3] [--threads 2]
 """
@@ -27,10 +25,7 @@ import time
 
 import torch
 
-from tether.models.score_sink import default_chunk_size
 from tether.models.scoring import exact_kl_tokens
-from tether.ops._vocab_chunks import head_logits, head_logits_by_column
-from tether.ops.exact_kl import _kl_forward
 from tether.train.config import TrainConfig
 from tether.train.recipe import accumulate_gradients, add_advantages, add_reference, sample, score_rewards, step_problems
 from tether.train.updates import answer_kl
@@ -54,17 +49,6 @@ def main() -> None:
         with torch.no_grad():
             run.ref_scorer.score(record.tokens, record.attention_mask, where=record.assistant_mask, keep_hidden=keep)
 
-    with torch.no_grad():
-        mine = run.actor.score(record.tokens, record.attention_mask, where=record.assistant_mask, keep_hidden=True).hidden
-    ref = record.ref_hidden
-
-    def kl_head(by_column: bool) -> None:
-        head = lambda hidden, weight: lambda a, b, out: (  # noqa: E731
-            head_logits_by_column if by_column else head_logits)(hidden[a:b], weight, None, 1.0, out)
-        n, vocab = mine.hidden.shape[0], mine.weight.shape[0]
-        _kl_forward(head(mine.hidden, mine.weight), head(ref.hidden, ref.weight), mine.hidden, n, vocab,
-                    torch.float32, default_chunk_size(mine.weight), by_column=by_column)
-
     variants = {
         "loss pass": lambda: accumulate_gradients(run, plain),
         "loss pass + exact KL": lambda: accumulate_gradients(run, record),
@@ -73,8 +57,6 @@ def main() -> None:
         "separate exact pass": lambda: exact_kl_tokens(run.models.policy, run.models.reference, record.tokens,
                                                        record.attention_mask, where=record.assistant_mask),
         "budget reading": lambda: torch.no_grad()(answer_kl)(run.actor, record),
-        "KL head, [C, V] chunks": lambda: kl_head(False),
-        "KL head, [V, C] chunks": lambda: kl_head(True),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):

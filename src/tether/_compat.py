@@ -5,7 +5,7 @@ Everything here leans on something a dependency does not promise to keep: the la
 ``ddp_cache_data`` constructor argument, ``batch_select_indices``), the attention kernel a
 model's config names (read, and switched for a packed pass), the quantizer bookkeeping that
 GGUF loading leaves on a model, the training-mode gate of transformers' gradient
-checkpointing, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its resolution of a bootstrap
+checkpointing, FSDP2's record of the forward order, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its resolution of a bootstrap
 address, the ragged dim of torch's jagged nested tensors. Keeping them together means a
 dependency upgrade is checked in one file, and ``TESTED`` (mirrored by the upper bounds in
 ``pyproject.toml``) says which releases that file was checked against.
@@ -210,6 +210,23 @@ def checkpointed_layers(model: Any) -> list[Any]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+# ------------------------------------------------------------------ torch FSDP2
+def forget_forward_order(unit: Any) -> None:
+    """Drop the forward order FSDP2 keeps on ``unit`` (a ``fully_shard`` module) for its implicit
+    backward prefetch. FSDP2 records every forward, no-grad ones included, and clears the record
+    only after a backward; forwards that ran on some ranks only (rank 0's rollout for every rank)
+    would leave the ranks prefetching different units in the next backward, each waiting on a
+    collective the other never joins."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # releases before the per-module list kept one group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    for group in groups:
+        group.comm_ctx.post_forward_order.clear()
+        group._post_forward_indices.clear()
 
 
 # ------------------------------------------------------------------ Ray start-up

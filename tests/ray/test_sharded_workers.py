@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.train.test_recipe import _metrics
 from tests.train.test_sharded import SRC, _assert_same_run, _flags, _sharded
 from tether.train import recipe_ray
 from tether.train.cli import free_port
@@ -28,10 +29,19 @@ def test_two_ranks_with_two_workers_equal_one_process_with_two_workers(tmp_path)
     workers sample from (seed, step, worker) with the pushed weights, and the service scores the
     whole step in one batch, in both runs; so the rollouts are the same, and the sharded update
     (each rank's block, full-batch denominators, summed gradients) must equal the one-process
-    update: weights within 1e-10 and every logged value equal (1e-12)."""
-    kw = dict(workers=2, kl_signal="sampled")  # the service returns log-probs only
+    update: weights within 1e-10 and every logged value equal (1e-12). With dynamic sampling and
+    a 0/1 reward, steps draw again: each rank's extra problems reach the workers through rank 0
+    (sampling the step's first problems again instead would pair answers with the wrong
+    problems and part from the one-process run)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def odd_majority(prompts, completions, **_):\n"
+                      "    texts = [c[-1]['content'] for c in completions]\n"
+                      "    return [float(sum(ord(c) % 2 for c in t) * 2 > len(t)) for t in texts]\n")
+    kw = dict(workers=2, kl_signal="sampled",  # the service returns log-probs only
+              dynamic_sampling=True, max_resample=2, reward_funcs=str(reward))
     recipe_ray.train(TrainConfig(**_flags(tmp_path / "one", **kw)), progress=False)
     _assert_same_run(tmp_path / "one", _sharded(tmp_path / "two", **kw), 1e-10)
+    assert any(r["groups_drawn"] > 4 for r in _metrics(tmp_path / "one"))
 
 
 def test_rank_zero_failing_to_start_the_workers_stops_every_rank_with_the_cause(tmp_path):

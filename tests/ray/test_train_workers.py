@@ -31,8 +31,8 @@ def test_train_that_raises_mid_run_releases_the_workers(tmp_path, monkeypatch):
 
     pools = []  # held here, so the actor handles cannot simply be garbage-collected away
 
-    def kept_pool(cfg):
-        pools.append(start(cfg))
+    def kept_pool(cfg, tool_use=None):
+        pools.append(start(cfg, tool_use))
         return pools[-1]
 
     start = recipe_ray.start_workers

@@ -111,6 +111,23 @@ def test_dynamic_sampling_on_two_ranks_equals_one_process(tmp_path):
     assert any(r["groups_drawn"] > 4 for r in _metrics(tmp_path / "one"))
 
 
+def test_the_tool_task_on_two_ranks_equals_one_process(tmp_path):
+    """``arithmetic-tools`` under --nproc 2: rank 0 runs every rank's multi-turn episodes (with the
+    gathered weights) and hands each rank its rows, so the run is one process's. The one-process
+    scorer splits the long shared prompts off (shared-prefix scoring, which the sharded scorer
+    does not use), so values agree to float32 rounding of HF's RMSNorm, not to 1e-10."""
+    kw = dict(task="arithmetic-tools", max_new_tokens=12, eval_max_new_tokens=8, max_turns=2, max_episode_tokens=600)
+    train(TrainConfig(**_flags(tmp_path / "one", **kw)), progress=False)
+    two = _sharded(tmp_path / "two", **kw)
+    a, b = _weights(tmp_path / "one"), _weights(two)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    ma, mb = _metrics(tmp_path / "one"), _metrics(two)
+    assert [sorted(r) for r in ma] == [sorted(r) for r in mb] and "tool_call_rate" in ma[0]
+    for ra, rb in zip(ma, mb):
+        for key, value in ra.items():
+            assert rb[key] == (pytest.approx(value, rel=1e-5, abs=1e-7) if isinstance(value, float) else value), key
+
+
 def test_resume_after_step_one_is_bit_identical(lora_runs, tmp_path):
     """A 2-rank run killed during step 2 (its directory as the kill leaves it: step 1's checkpoint,
     no step 2 checkpoint) and resumed ends bit-identical to the uninterrupted 2-rank run;

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import ray
@@ -39,7 +38,7 @@ from tether.ray import (
 )
 from tether.train import recipe
 from tether.train.config import TrainConfig
-from tether.train.recipe_sharded import sharded_rollout
+from tether.train.recipe_sharded import sharded_rollout, writer_rollout
 from tether.train.run import Run, build_models, build_run, reference_scorer
 from tether.train.tasks import Problem, ToolUse
 
@@ -55,20 +54,7 @@ def ray_rollout(pool: Any) -> recipe.Rollout:
         td = pool.rollout(run.models.policy, [p.chat for p in problems], step, reference_updater=run.ref_updater)
         return StepRecord.from_tensordict(td, group_ids=group_ids(len(problems), run.cfg.group_size))
 
-    def rollout(run: Run, problems: list[Problem], step: int) -> StepRecord:
-        ranks = run.ranks
-        if ranks.size == 1:
-            return on_pool(run, problems, step)
-
-        def blocks() -> list[StepRecord]:
-            whole = on_pool(run, recipe.step_problems(run, step, every_rank=True), step)
-            rows = len(whole) // ranks.size
-            parts = [whole.rows(r * rows, (r + 1) * rows) for r in range(ranks.size)]
-            return [replace(p, group_ids=group_ids(rows, run.cfg.group_size)) for p in parts]
-
-        return ranks.scatter(ranks.on_writer(blocks))
-
-    return rollout
+    return writer_rollout(on_pool)
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:

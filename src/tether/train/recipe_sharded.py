@@ -8,15 +8,18 @@ weights once, so no FSDP collective depends on how many decode steps or scoring 
 rank needs. The reference's kept hidden states get their own copy of the head weight before
 the gathered weights are freed. What stays in the recipe is data-parallel, not FSDP: each
 rank's block of the problems (``Ranks.share``) and the whole-batch sums and rows
-(``Ranks.total``, ``Ranks.rows``), identities in one process.
+(``Ranks.total``, ``Ranks.rows``), identities in one process. A rollout whose ranks cannot draw
+together (Ray workers, the multi-turn tool task) runs on rank 0 for all (``writer_rollout``).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Callable
 
-from tether.models.step_record import StepRecord
+from tether.models.step_record import StepRecord, group_ids
 from tether.train import recipe as shipped
 from tether.train.config import TrainConfig
 from tether.train.run import Run
@@ -38,9 +41,36 @@ def sharded_rollout(rollout: Rollout, add_reference: Callable[[Run, StepRecord],
     return on_rank
 
 
+def writer_rollout(rollout: Rollout) -> Rollout:
+    """``rollout`` run on rank 0 alone for every rank's problems; each rank gets the rows of its
+    own problems, as it would have sampled them. For rollouts whose ranks cannot draw tokens
+    together: Ray workers, and the multi-turn tool task (its ranks' episodes would take
+    different numbers of turns, so their decode steps would not pair up)."""
+
+    def on_writer(run: Run, problems: list[Problem], step: int) -> StepRecord:
+        ranks = run.ranks
+        if ranks.size == 1:
+            return rollout(run, problems, step)
+        shares = ranks.gather(problems)
+
+        def blocks() -> list[StepRecord]:
+            whole = rollout(run, [p for share in shares for p in share], step)
+            ends = list(itertools.accumulate(len(share) for share in shares))
+            return [replace(whole.rows(end - len(share), end), group_ids=group_ids(len(share), run.cfg.group_size))
+                    for share, end in zip(shares, ends)]
+
+        return ranks.scatter(ranks.on_writer(blocks))
+
+    return on_writer
+
+
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
           recipe: ModuleType = shipped) -> dict[str, Any]:
     """``recipe.train`` (tether's recipe, or a copy's module) on this rank, with the recipe's
-    rollout, ``sample``, wrapped by ``sharded_rollout``."""
-    return recipe.train(cfg, resume=resume, progress=progress,
-                        rollout=sharded_rollout(recipe.sample, recipe.add_reference))
+    rollout, ``sample``, wrapped by ``sharded_rollout`` (and by ``writer_rollout`` for a tool task)."""
+    alone = writer_rollout(recipe.sample)
+
+    def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
+        return (recipe.sample if run.task.tool_use is None else alone)(run, problems, step)
+
+    return recipe.train(cfg, resume=resume, progress=progress, rollout=sharded_rollout(sample, recipe.add_reference))

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tether._compat import forget_forward_order
 from tether.models.reference import AdapterDisabledReference
 from tether.models.score_sink import HeadHidden
 from tether.ops.checks import problems, whole_number
@@ -173,6 +174,14 @@ class Ranks:
             raise RuntimeError(f"rank 0 failed, so rank {self.rank} stops too: {told[0]}")
         return result
 
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` (any picklable object) in rank order on rank 0; None on the others."""
+        if self.size == 1:
+            return [value]
+        got: list[Any] | None = [None] * self.size if self.writer else None
+        dist.gather_object(value, got, dst=0)
+        return got
+
     def scatter(self, parts: list[Any] | None) -> Any:
         """Rank 0's ``parts[r]`` (any picklable object) on each rank ``r``; ``parts`` is read on rank 0 only."""
         if self.size == 1:
@@ -201,6 +210,7 @@ class Ranks:
             for unit, after_forward in self.units:
                 unit.reshard()
                 unit.set_reshard_after_forward(after_forward, recurse=False)
+                forget_forward_order(unit)  # the block's forwards may differ between ranks
 
 
 class SharedDraw:
@@ -330,10 +340,8 @@ def share_run(run: Any) -> None:
     ranks = run.ranks
     if ranks.size == 1:
         return
-    if run.task.tool_use is not None:
-        raise ValueError(f"task: the multi-turn tool task {run.cfg.task!r} is not supported with nproc="
-                         f"{ranks.size}; use nproc=1.")
-    run.sampler.generate_kwargs["draw"] = SharedDraw(ranks)
+    if run.task.tool_use is None:  # a tool task's rollout runs on rank 0 alone (recipe_sharded.writer_rollout)
+        run.sampler.generate_kwargs["draw"] = SharedDraw(ranks)
     run.actor.token_budget, run.actor.share_prefix = sys.maxsize, False
 
 
