@@ -5,8 +5,8 @@ Everything here leans on something a dependency does not promise to keep: the la
 ``ddp_cache_data`` constructor argument, ``batch_select_indices``), the attention kernel a
 model's config names (read, and switched for a packed pass), the quantizer bookkeeping that
 GGUF loading leaves on a model, the training-mode gate of transformers' gradient
-checkpointing, FSDP2's record of the forward order, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag and its resolution of a bootstrap
-address, the ragged dim of torch's jagged nested tensors. Keeping them together means a
+checkpointing, FSDP2's record of the forward order, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag
+and its resolution of a bootstrap address, the ragged dim of torch's jagged nested tensors. Keeping them together means a
 dependency upgrade is checked in one file, and ``TESTED`` (mirrored by the upper bounds in
 ``pyproject.toml``) says which releases that file was checked against.
 ``version_problems()`` lists installed releases outside those ranges; importing tether warns

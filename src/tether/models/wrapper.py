@@ -200,7 +200,8 @@ class TransformersWrapper(TensorDictModuleBase):
 
         ``where``, ``keep_hidden``, ``kl_to`` and ``log_probs`` are those of
         ``tether.models.scoring.score_tokens`` (score only some positions, keep their hidden
-        states, exact KL against another model's, skip the log-probs). Differentiable when grad mode is on; the result lives on the model's device.
+        states, exact KL against another model's, skip the log-probs). Differentiable when grad
+        mode is on; the result lives on the model's device.
         """
         budget, share = default_layout(self.device)
         return score_tokens(
