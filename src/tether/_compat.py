@@ -6,9 +6,10 @@ Everything here leans on something a dependency does not promise to keep: the la
 model's config names (read, and switched for a packed pass), the quantizer bookkeeping that
 GGUF loading leaves on a model, the training-mode gate of transformers' gradient
 checkpointing, FSDP2's record of the forward order, Ray's ``ENABLE_RAY_CLUSTER`` start-up flag
-and its resolution of a bootstrap address, the ragged dim of torch's jagged nested tensors. Keeping them together means a
-dependency upgrade is checked in one file, and ``TESTED`` (mirrored by the upper bounds in
-``pyproject.toml``) says which releases that file was checked against.
+and its resolution of a bootstrap address, the ragged dim of torch's jagged nested tensors.
+Keeping them together means a dependency upgrade is checked in one file, and ``TESTED``
+(mirrored by the upper bounds in ``pyproject.toml``) says which releases that file was checked
+against.
 ``version_problems()`` lists installed releases outside those ranges; importing tether warns
 about them once, and the test suite fails on them with the same message.
 """
