@@ -138,11 +138,9 @@ def score_tokens(
         where: ``bool [B, T]`` positions to score (e.g. the assistant mask); the output head
             runs only there and every other position is 0. None: every position.
         keep_hidden: also return the hidden states at ``where`` (``ScoredTokens.hidden``).
-        kl_to: hidden states another model kept at the same ``where`` of the same tokens;
-            the exact full-vocabulary KL from this model to that one is returned per token
-            (``ScoredTokens.exact_kl``, no gradient).
-        log_probs: False skips the log-probs (``ScoredTokens.log_probs`` is None), a third of
-            the head's work when only ``kl_to``'s exact KL is wanted (the KL budget's readings).
+        kl_to: hidden states another model kept at the same ``where`` of the same tokens; the
+            exact KL from this model to that one per token (``ScoredTokens.exact_kl``, no gradient).
+        log_probs: False: only ``kl_to``'s exact KL (``ScoredTokens.log_probs`` is None).
 
     Returns:
         ``ScoredTokens`` with ``log_probs [B, T]`` (and ``entropy [B, T]``), 0 at the first
