@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
           recipe: ModuleType = shipped) -> dict[str, Any]:
     """``recipe.train`` (tether's recipe, or a copy's module) on this rank, with the recipe's
     rollout, ``sample``, wrapped by ``sharded_rollout`` (and by ``writer_rollout`` for a tool task)."""
-    alone = writer_rollout(recipe.sample)
+    alone = writer_rollout(recipe.sample)  # sharding.share_run leaves a tool task's sampler without SharedDraw
 
     def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
         return (recipe.sample if run.task.tool_use is None else alone)(run, problems, step)
