@@ -52,12 +52,14 @@ def test_bf16_on_cuda_scores_in_float32_with_sdpa(tmp_path):
 
 
 @needs_cuda
-def test_decode_loop_syncs_only_for_the_finished_row_checks():
+@pytest.mark.parametrize("static_cache", [False, None])
+def test_decode_loop_syncs_only_for_the_finished_row_checks(static_cache):
     """No row ends (no eos id matches), so each of the 16 steps has the two checks (all ended?
-    any ended?) and transformers' own (SDPA's mask: is the padding mask all ones?, once per
-    forward); the rest (argument checks, prefill, the final width) is bounded. A line that syncs
-    on every step is one of those, read from its source (seen on an H200: an index assignment of
-    a Python number synced once a step until it became ``index_fill_``)."""
+    any ended?) and, in the dynamic loop, transformers' own (SDPA's mask: is the padding mask all
+    ones?, once per forward); the rest (argument checks, prefill, the final width) is bounded. A
+    line that syncs on every step is one of those, read from its source (seen on an H200: an index
+    assignment of a Python number synced once a step until it became ``index_fill_``). None is
+    the GPU's default, the static buffers' replayed graph."""
     tok = byte_tokenizer()
     model = tiny_causal_lm(tok, dtype=torch.bfloat16).cuda()
     prompts = torch.randint(0, 250, (4, 6), device="cuda")
@@ -67,7 +69,7 @@ def test_decode_loop_syncs_only_for_the_finished_row_checks():
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             sample_responses(model, prompts, torch.ones_like(prompts, dtype=torch.bool), max_new_tokens=16,
-                             eos_ids=[-1], pad_id=tok.pad_token_id, generator=generator)
+                             eos_ids=[-1], pad_id=tok.pad_token_id, generator=generator, static_cache=static_cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in seen if "synchroniz" in str(w.message)]

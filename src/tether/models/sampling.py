@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from tether._compat import cache_layers, new_cache, select_cache_rows
 from tether.models._limits import check_fits_model
 from tether.models.score_plan import distinct_rows
+from tether.models.static_decode import StaticDecoder, static_decode_supported
 from tether.ops.checks import real_number, whole_number
 from tether.ops.masks import pad_rows, position_ids
 from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
@@ -162,24 +163,27 @@ def _check_row_limits(row_limits: Tensor | None, batch: int, max_new_tokens: int
     return row_limits.to(device=device, dtype=torch.long)
 
 
+def _distinct_prompts(prompt_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """GRPO repeats each prompt G times, so each distinct prompt is read once: ``(first [U],
+    inverse [B])`` as ``distinct_rows``, ``inverse`` None where every row is distinct."""
+    first, inverse = distinct_rows(prompt_ids.masked_fill(~mask.bool(), -1))
+    return (first, inverse) if first.shape[0] < prompt_ids.shape[0] else (first, None)
+
+
 def _prefill(model: nn.Module, prompt_ids: Tensor, mask: Tensor,
              past: Sequence[RowCache | None] | None = None) -> tuple[Tensor, object, Tensor, Tensor]:
     """Run the prompts once: last-position logits ``[B, 1, V]``, the KV cache, next positions
-    ``[B, 1]`` and the attention mask over the cache's columns ``[B, S]``.
-
-    GRPO repeats each prompt G times, so each distinct prompt is prefilled once and its
-    cache rows are copied to the rows that repeat it.
-    """
+    ``[B, 1]`` and the attention mask over the cache's columns ``[B, S]``; the cache rows of a
+    repeated prompt are copies of its one read."""
     if past is not None and any(p is not None for p in past):
         return _prefill_after(model, prompt_ids, mask, past)
     position = position_ids(mask)
-    first, inverse = distinct_rows(prompt_ids.masked_fill(~mask.bool(), -1))
-    share = first.shape[0] < prompt_ids.shape[0]
-    rows = first if share else slice(None)
+    first, inverse = _distinct_prompts(prompt_ids, mask)
+    rows = slice(None) if inverse is None else first
     cache = new_cache()
     logits = model(input_ids=prompt_ids[rows], attention_mask=mask[rows], position_ids=position[rows],
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    if share:
+    if inverse is not None:
         logits = logits[inverse]
         select_cache_rows(cache, inverse)
     return logits, cache, position[:, -1:] + 1, mask
@@ -207,6 +211,22 @@ def _prefill_after(model: nn.Module, new_ids: Tensor, mask: Tensor,
     logits = model(input_ids=new_ids, attention_mask=full, position_ids=position, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits
     return logits, cache, position[:, -1:] + 1, full
+
+
+def _use_static(model: nn.Module, static_cache: bool | None, device: torch.device,
+                past: Sequence[RowCache | None] | None, keep_cache: bool) -> bool:
+    """Whether ``sample_responses`` decodes with ``StaticDecoder``; refuses an explicit True it cannot honour."""
+    if static_cache is False or (static_cache is None and device.type != "cuda"):
+        return False
+    why = ("it continues cached rows (past=)" if past is not None and any(p is not None for p in past) else
+           "it returns row caches (keep_cache=True)" if keep_cache else
+           None if static_decode_supported(model) else
+           "the model's attention is not one static_decode implements (sliding window, soft-capping, "
+           "no attention interface, or FSDP-sharded weights)")
+    if why is not None and static_cache:
+        raise ValueError(f"static_cache=True: this call cannot decode over static buffers: {why}. "
+                         "Pass static_cache=None to pick the loop that applies.")
+    return why is None
 
 
 def _keep_rows(cache: object, mask: Tensor, alive: Tensor, rows: Tensor, kept: list) -> None:
@@ -250,6 +270,7 @@ def sample_responses(
     draw: RowDraw | None = None,
     past: Sequence[RowCache | None] | None = None,
     keep_cache: bool = False,
+    static_cache: bool | None = None,
 ) -> SampleOutput:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
@@ -272,6 +293,8 @@ def sample_responses(
         past: optional ``RowCache`` per row (None: the row starts here): ``prompt_ids`` then
             holds only each row's tokens after its cached ones.
         keep_cache: return each row's ``RowCache`` in ``SampleOutput.caches``.
+        static_cache: decode over fixed-size buffers, on a GPU as a replayed CUDA graph
+            (``tether.models.static_decode``); None: on CUDA wherever the model and the call allow.
     """
     check_sampling_options(temperature=temperature, max_new_tokens=max_new_tokens, top_k=top_k, top_p=top_p)
     prompt_mask = check_prompts(prompt_ids, prompt_mask)
@@ -284,18 +307,43 @@ def sample_responses(
     draw = LocalDraw() if draw is None else draw
     pick = functools.partial(_draw, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
                              generator=generator, draw=draw)
-    logits, cache, next_pos, mask = _prefill(model, prompt_ids, prompt_mask.long(), past)
+    if _use_static(model, static_cache, device, past, keep_cache):
+        forward: _CacheStep | StaticDecoder = StaticDecoder(model, batch, prompt_ids.shape[1] + max_new_tokens)
+        logits = forward.prefill(prompt_ids, prompt_mask, *_distinct_prompts(prompt_ids, prompt_mask))
+    else:
+        logits, cache, next_pos, mask = _prefill(model, prompt_ids, prompt_mask.long(), past)
+        forward = _CacheStep(model, cache, next_pos, mask)
     kept: list | None = [None] * batch if keep_cache else None
-    out = _decode(model, logits, cache, next_pos, mask, limits, torch.tensor(sorted(eos_ids), device=device),
-                  pad_id, max_new_tokens, pick, draw, kept)
+    out = _decode(forward, logits[:, -1], limits, torch.tensor(sorted(eos_ids), device=device), pad_id,
+                  max_new_tokens, pick, draw, kept)
     return out if kept is None else dataclasses.replace(out, caches=tuple(kept))
 
 
-def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, mask: Tensor, limits: Tensor,
-            eos: Tensor, pad_id: int, max_new_tokens: int, pick: Callable[[Tensor], tuple[Tensor, Tensor]],
-            draw: RowDraw, kept: list | None = None) -> SampleOutput:
-    """The decode loop after ``_prefill``: one token per live row per step; a row leaves the batch
-    (and the KV cache) at an eos or its limit, its cache first copied into ``kept`` when given."""
+class _CacheStep:
+    """The decode step over a transformers cache: rows leave the batch and the cache with their
+    sequences (the loop for CPUs, multi-turn caches and models ``StaticDecoder`` cannot run)."""
+
+    def __init__(self, model: nn.Module, cache: object, next_pos: Tensor, mask: Tensor) -> None:
+        self.model, self.cache, self.next_pos, self.mask = model, cache, next_pos, mask
+
+    def leave(self, keep: Tensor) -> None:
+        select_cache_rows(self.cache, keep)
+        self.mask, self.next_pos = self.mask[keep], self.next_pos[keep]
+
+    def __call__(self, token: Tensor) -> Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
+        logits = self.model(input_ids=token[:, None], attention_mask=self.mask, position_ids=self.next_pos,
+                            past_key_values=self.cache, use_cache=True).logits
+        self.next_pos = self.next_pos + 1
+        return logits[:, -1]
+
+
+def _decode(forward: _CacheStep | StaticDecoder, logits: Tensor, limits: Tensor, eos: Tensor, pad_id: int,
+            max_new_tokens: int, pick: Callable[[Tensor], tuple[Tensor, Tensor]], draw: RowDraw,
+            kept: list | None = None) -> SampleOutput:
+    """The decode loop after the prefill's ``logits [B, V]``: one token per live row per step; a row
+    leaves the live set at an eos or its limit, its cache first copied into ``kept`` when given
+    (a ``_CacheStep``'s only)."""
     batch, device = limits.shape[0], limits.device
     alive = torch.arange(batch, device=device)  # original row of each live batch entry
     tokens = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -303,7 +351,7 @@ def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, m
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        token, token_log_prob = pick(logits[:, -1])
+        token, token_log_prob = pick(logits)
         tokens[alive, step] = token
         log_probs[alive, step] = token_log_prob
         lengths.index_fill_(0, alive, step + 1)  # index assignment of a Python number copies it to the GPU: a sync
@@ -312,21 +360,18 @@ def _decode(model: nn.Module, logits: Tensor, cache: object, next_pos: Tensor, m
         ended = ended | (limits[alive] <= step + 1)
         if step + 1 == max_new_tokens or draw.all_ended(ended):
             if kept is not None:
-                _keep_rows(cache, mask, alive, torch.arange(alive.numel()), kept)
+                _keep_rows(forward.cache, forward.mask, alive, torch.arange(alive.numel()), kept)
             break
         if bool(ended.any()):
             if kept is not None:
-                _keep_rows(cache, mask, alive, ended.nonzero().flatten(), kept)
+                _keep_rows(forward.cache, forward.mask, alive, ended.nonzero().flatten(), kept)
             keep = (~ended).nonzero().flatten()
-            select_cache_rows(cache, keep)
-            alive, token, mask, next_pos = alive[keep], token[keep], mask[keep], next_pos[keep]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+            forward.leave(keep)
+            alive, token = alive[keep], token[keep]
         if not alive.numel():  # only under a shared draw: other processes' rows are still sampling
             logits = logits[:0]
             continue
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
-                       past_key_values=cache, use_cache=True).logits
-        next_pos = next_pos + 1
+        logits = forward(token)
     width = int(lengths.max()) if batch else 0
     resp_mask = torch.arange(width, device=device) < lengths[:, None]
     return SampleOutput(
