@@ -415,13 +415,13 @@ def _bench(check: Check, timeout_s: float, model: str) -> dict:
         size = ["--device", "cpu", "--dtype", "float32", "--prompts", "2", "--group", "2", "--max-new-tokens", "4",
                 "--steps", "1", "--warmup", "0", "--modes", "LoRA"]
     else:
-        size = ["--steps", str(check.args.bench_steps), "--warmup", "1"]
+        size = ["--steps", str(check.args.bench_steps), "--warmup", "1", "--modes", check.args.bench_modes]
     tokenizer = check.wheels / "tokenizer"
     words = ["--tokenizer", str(tokenizer)] if (tokenizer / "tokenizer.json").is_file() else []
-    variants = 1 if check.dry else 4
+    variants = 1 if check.dry else 2 * len(check.args.bench_modes.split(","))
     command = check.python(str(HERE / "gpu_grpo.py"), "--model", model, *size, *words, "--json", str(result),
                            "--model-dir", str(check.work / f"model-{model}"),
-                           "--timeout", str(int(timeout_s / variants if check.dry else 0.4 * timeout_s)))
+                           "--timeout", str(int(timeout_s / variants)))
     check.sh(f"bench-{model}", command, timeout_s)
     figures = json.loads(result.read_text())
     # The dry run's environment may lack TRL; on the GPU a missing TRL row is a failed comparison.
@@ -449,7 +449,7 @@ STAGES = (
     # Four variants, each a fresh process that loads the model, warms up and times 2 steps: 129 s of
     # budget (51 s a variant) timed every 1B variant out on an H200; 206 s ran them all in 161 s.
     # The embedded model loads faster, and tether's sampling is a replayed graph since.
-    Stage("bench-default", 240, stage_bench_default, needs_model=True, least_s=120),
+    Stage("bench-default", 240, stage_bench_default, needs_model=True, least_s=100),
     Stage("bench-llama-1b", 300, stage_bench_llama, dry_run_too=True, least_s=170),
 )
 
@@ -771,6 +771,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=None,
                    help="stages at a time after install (dry run only; default 3 there, else 1)")
     p.add_argument("--bench-steps", type=int, default=2, help="timed GRPO steps per bench variant")
+    p.add_argument("--bench-modes", default="LoRA,full", help="the bench stages' modes (gpu_grpo.py --modes)")
     p.add_argument("--timeout-install", type=float, default=120.0, help="seconds for each pip command")
     p.add_argument("--split-wheel", metavar="WHEEL", help="cut WHEEL into parts in --into, then exit")
     p.add_argument("--into", default=str(ROOT / "wheels" / "model"))

@@ -22,6 +22,7 @@ from tether.models.static_decode import STATIC_ATTENTION, GraphNote, StaticDecod
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TEXTS = ["hello", "a", "what is 2+2?", "a", "hello", "ok then"]
+DISTINCT = ["what is 2+2?", "b", "hello", "a", "zz top", "ok then"]  # not in sorted order
 
 
 def ending_model(tok, p_eos: float = 0.15, dtype=torch.float64):
@@ -50,18 +51,21 @@ def both_loops(model, ids, mask, tok, seed: int | None, **options):
     return out
 
 
+@pytest.mark.parametrize("texts", [TEXTS, DISTINCT])
 @pytest.mark.parametrize("seed, p_eos, options", [
     (None, 0.001, {"row_limits": torch.tensor([3, 20, 1, 8, 20, 5])}),
     (3, 0.15, {}),
     (4, 0.1, {"top_k": 7, "temperature": 1.3}),
     (5, 0.15, {"top_p": 0.9, "row_limits": torch.tensor([3, 20, 1, 8, 20, 5])}),
 ])
-def test_static_buffers_give_the_dynamic_loops_answers(seed, p_eos, options):
-    """Ragged left-padded prompts, two of them repeated (prefilled once), rows ending at an eos or
-    their limit at different steps: same tokens, masks and flags; log-probs within 1e-12 (float64)."""
+def test_static_buffers_give_the_dynamic_loops_answers(texts, seed, p_eos, options):
+    """Ragged left-padded prompts, two of them repeated (prefilled once) or all distinct (read in
+    their own order: the first GPU run read them in sorted order, and every answer went to another
+    row), rows ending at an eos or their limit at different steps: same tokens, masks and flags;
+    log-probs within 1e-12 (float64)."""
     tok = make_tokenizer()
     model = ending_model(tok, p_eos)
-    ids, mask, _ = prompts(tok, TEXTS)
+    ids, mask, _ = prompts(tok, texts)
     dynamic, static = both_loops(model, ids, mask, tok, seed, max_new_tokens=20, **options)
     assert torch.equal(static.tokens, dynamic.tokens) and torch.equal(static.mask, dynamic.mask)
     assert torch.equal(static.finished, dynamic.finished)

@@ -134,9 +134,12 @@ class StaticDecoder:
                               logits_to_keep=1).logits
 
     def prefill(self, prompt_ids: Tensor, mask: Tensor, first: Tensor, inverse: Tensor | None) -> Tensor:
-        """Read ``prompt_ids [B, P]`` (left-padded, ``mask`` bool) once per distinct row (``first``, and
-        ``inverse`` mapping every row to its distinct one, or None); the last column's logits ``[B, 1, V]``."""
+        """Read ``prompt_ids [B, P]`` (left-padded, ``mask`` bool) once per distinct row: ``first`` and
+        ``inverse`` as ``distinct_rows`` gives them, or ``inverse`` None to read every row in order (then
+        ``first`` is unused). The last column's logits ``[B, 1, V]``."""
         width = prompt_ids.shape[1]
+        if inverse is None:  # every row distinct: read them in their own order
+            first = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
         kv, rows = self.kv, first.shape[0]
         kv.valid[:, :width] = mask
         causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
