@@ -5,7 +5,8 @@ each sampled token's log-prob is read from the very distribution it was drawn fr
 ``softmax(logits / temperature)`` in float32, so sampling and training log-probs agree to
 float precision. Top-k / top-p truncate what is sampled, not what is recorded. Finished rows
 leave the batch and its cache at once; a prompt repeated ``G`` times is prefilled once. The
-only host syncs are the finished-row checks. ``past`` continues rows from an earlier call's
+only host syncs are the finished-row checks. On a GPU the step runs over static buffers as a
+replayed CUDA graph (``tether.models.static_decode``). ``past`` continues rows from an earlier call's
 ``keep_cache=True`` (``RowCache``), prefilling only their new tokens (a multi-turn rollout's
 turns). ``draw`` lets several processes sample one batch together (``tether.train.sharding``).
 Rationale in the docs (``docs/design.md``).

@@ -14,7 +14,6 @@ windows or soft-capped attention, FSDP-sharded ones and multi-turn caches keep t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +125,7 @@ class StaticDecoder:
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=weight.device)
         self.position = torch.zeros(batch, 1, dtype=torch.long, device=weight.device)
         self.live = torch.arange(batch, device=weight.device)
-        self._step: Callable[[], Tensor] | None = None
+        self._captured: tuple[torch.cuda.CUDAGraph, Tensor] | bool | None = None  # None: not yet tried
 
     def _forward(self, ids: Tensor, position: Tensor) -> Tensor:
         with attention_kernel(self.model, STATIC_ATTENTION):
@@ -169,35 +168,38 @@ class StaticDecoder:
         """Feed one token per live row (``long [b]``); their next logits ``[b, V]``."""
         self.token.index_copy_(0, self.live, token[:, None])
         self.kv.valid.index_fill_(1, self.kv.column, True)
-        if self._step is None:
-            self._step = self._capture()
-        logits = self._step()
+        if self._captured is None:
+            self._captured = self._capture()
+        if self._captured is False:
+            logits = self._forward(self.token, self.position)
+        else:
+            graph, logits = self._captured
+            graph.replay()
         self.kv.column += 1
         self.position += 1
         return logits[self.live, -1]
 
-    def _capture(self) -> Callable[[], Tensor]:
-        """The step as a replayed CUDA graph, or the eager forward (on a CPU, or where capture fails)."""
-        eager = lambda: self._forward(self.token, self.position)  # noqa: E731
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, Tensor] | bool:
+        """The step captured as a CUDA graph with its logits buffer, or False for the eager forward (on a
+        CPU, or where capture fails). Nothing here refers back to the decoder, so it is freed on return."""
         if not (self.graph_wanted and self.token.is_cuda):
-            return eager
+            return False
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up writes this column, which the first replay rewrites
-                eager()
+                self._forward(self.token, self.position)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = eager()
+                logits = self._forward(self.token, self.position)
         except Exception as error:  # noqa: BLE001 - e.g. an op in the model's forward that syncs with the host
             warnings.warn(GraphNote(f"the decode step was not captured as a CUDA graph ({type(error).__name__}: "
                                     f"{error}); it runs eagerly over the static buffers."), stacklevel=3)
-            return eager
-        self.graph = graph
+            return False
+        return graph, logits
 
-        def replay() -> Tensor:
-            graph.replay()
-            return logits
-
-        return replay
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step, once the first token was fed on a GPU (None: eager)."""
+        return self._captured[0] if isinstance(self._captured, tuple) else None
