@@ -154,18 +154,42 @@ def test_missing_files_suffixes_columns_and_prompt_types_are_named(tmp_path):
         rows_to_problems([{"prompt": [{"role": "user"}]}], "prompt", "chat", "d")
 
 
-def test_a_hub_dataset_id_is_told_that_only_local_data_is_read(tmp_path, monkeypatch, capsys):
-    """``--dataset openai/gsm8k`` (no such local path) says Hub dataset ids are not read and how to
-    save the data locally, in one CLI line, before any model loads; a path with a data suffix
-    keeps the plain "does not exist"."""
+def _cached_hub_dataset(hub: Path, repo: str, files: dict[str, list[dict]]) -> None:
+    """A dataset snapshot laid out as huggingface_hub caches it (refs/main -> snapshots/<commit>)."""
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    folder = hub / f"datasets--{repo.replace('/', '--')}"
+    for name, rows in files.items():
+        (folder / "snapshots" / commit / name).parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(folder / "snapshots" / commit / name, rows)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_dataset_id_is_read_from_the_local_cache_without_network(tmp_path, monkeypatch, capsys):
+    """``--dataset owner/name`` reads the train split of the cached snapshot (its other splits
+    left alone) with every socket refused; an uncached id says how to fetch it once, in one CLI
+    line before any model loads; a snapshot with no train split names what it has; a path with a
+    data suffix keeps the plain "does not exist"."""
+    import socket
+
+    import huggingface_hub.constants
+
     from tests.train.test_run_dir import one_error_line
     from tether.train import run as run_module
     from tether.train.cli import main
 
+    def refuse(*args, **kwargs):
+        raise AssertionError("tether tried to open a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"dataset: openai/gsm8k is no local file or directory, and Hugging Face "
-                                         r"Hub dataset ids are not read: tether reads datasets only from local"):
-        read_rows("openai/gsm8k", "dataset")
+    _cached_hub_dataset(tmp_path / "hub", "tether-test/sums", {"train.jsonl": ROWS, "test.jsonl": ROWS[:2]})
+    _cached_hub_dataset(tmp_path / "hub", "tether-test/only-test", {"test.jsonl": ROWS[:2]})
+    assert read_rows("tether-test/sums", "dataset") == ROWS
+    with pytest.raises(ValueError, match=r"eval_dataset: the cached Hub dataset tether-test/only-test .*no single "
+                                         r"train split.*test"):
+        read_rows("tether-test/only-test", "eval_dataset")
     with pytest.raises(ValueError, match=r"eval_dataset: data/gsm8k.jsonl does not exist; give a .jsonl"):
         read_rows("data/gsm8k.jsonl", "eval_dataset")
 
@@ -176,8 +200,8 @@ def test_a_hub_dataset_id_is_told_that_only_local_data_is_read(tmp_path, monkeyp
     cfg = data_cfg(tmp_path, "openai/gsm8k", out=tmp_path / "run")
     assert main(["train", "--quiet", *[f"{k}={v}" for k, v in cfg.__dict__.items()]]) == 2
     line = one_error_line(capsys)
-    assert "Hub dataset ids are not read" in line and "load_dataset('openai/gsm8k'" in line
-    assert "--dataset gsm8k.jsonl" in line and not (tmp_path / "run").exists()
+    assert "dataset: 'openai/gsm8k' is no local path and is not in the Hugging Face cache" in line
+    assert "hf download openai/gsm8k --repo-type dataset" in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("changes,fragment", [

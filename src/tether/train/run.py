@@ -46,7 +46,7 @@ from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_m
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
-from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
+from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task, hub_snapshot,
                                 load_task, with_episode_limits)
 from tether.train.updates import make_lr_scheduler
 
@@ -283,20 +283,7 @@ def model_directory(spec: str) -> Path:
         return path
     if _looks_like_path(spec):
         raise ValueError(f"model: expected {_KINDS}, got {spec!r}: no such directory; check the path.")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(spec, local_files_only=True))
-    except HFValidationError as exc:
-        raise ValueError(f"model: expected {_KINDS}, got {spec!r}, which is neither a directory nor a valid hub "
-                         "id; check the spelling.") from exc
-    except LocalEntryNotFoundError as exc:
-        raise ValueError(
-            f"model: {spec!r} is no local directory and is not in the Hugging Face cache "
-            f"({constants.HF_HUB_CACHE}); tether never downloads. Fetch it once with `hf download {spec}` "
-            "(or set HF_HUB_CACHE to the cache that holds it), or pass a local directory."
-        ) from exc
+    return hub_snapshot(spec, "model", expected=_KINDS)
 
 
 def check_not_pickled(directory: Path, argument: str, *, weights: str = "model") -> None:

@@ -408,23 +408,19 @@ def _epoch_order(seed: int, epoch: int, n: int) -> tuple[int, ...]:
 
 
 def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
-    """The rows of a JSONL/CSV/Parquet file or a saved dataset directory, as dicts."""
+    """The rows of a JSONL/CSV/Parquet file, a saved dataset directory or a cached Hub dataset, as dicts."""
     import datasets
 
     datasets.disable_progress_bars()
     source = Path(path)
     if not source.exists() and _looks_like_hub_id(path):
-        raise ValueError(
-            f"{argument}: {path} is no local file or directory, and Hugging Face Hub dataset ids are not read: "
-            "tether reads datasets only from local files and directories (it reads models, not datasets, from "
-            "the local Hugging Face cache). Save it once where there is network, e.g. python -c \"import datasets; "
-            f"datasets.load_dataset('{path}', split='train').to_json('{Path(path).name}.jsonl')\" (add the config "
-            f"name if it has several), then pass --{argument.replace('_', '-')} {Path(path).name}.jsonl."
-        )
-    if not source.exists():
+        source = hub_snapshot(path, argument, expected="a local data file or directory, or a Hub dataset id",
+                              repo_type="dataset")
+        loaded = _load_hub_snapshot(path, source, argument)
+    elif not source.exists():
         raise ValueError(f"{argument}: {path} does not exist; give a .jsonl, .csv or .parquet file or a "
                          "directory written by Dataset.save_to_disk.")
-    if source.is_dir():
+    elif source.is_dir():
         loaded = _load_saved(source, argument)
     else:
         reader = _READERS.get(source.suffix.lower())
@@ -443,6 +439,41 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
     return rows
+
+
+def hub_snapshot(spec: str, argument: str, *, expected: str, repo_type: str = "model") -> Path:
+    """The local Hugging Face cache's snapshot of hub id ``spec`` (a ``repo_type`` repository); tether
+    never downloads, so an uncached id gets one sentence saying how to fetch it once."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec, repo_type=repo_type, local_files_only=True))
+    except HFValidationError as exc:
+        raise ValueError(f"{argument}: expected {expected}, got {spec!r}, which is neither a local path nor a valid "
+                         "hub id; check the spelling.") from exc
+    except LocalEntryNotFoundError as exc:
+        fetch = f"hf download {spec}" + (f" --repo-type {repo_type}" if repo_type != "model" else "")
+        raise ValueError(
+            f"{argument}: {spec!r} is no local path and is not in the Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"tether never downloads. Fetch it once with `{fetch}` (or set HF_HUB_CACHE to the cache that holds "
+            "it), or pass a local path."
+        ) from exc
+
+
+def _load_hub_snapshot(spec: str, snapshot: Path, argument: str):
+    """The ``train`` split of a cached Hub dataset, read from its snapshot's files (no network)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(str(snapshot), split="train", keep_in_memory=True)
+    except ValueError as exc:  # several configs, or no train split: datasets says which there are
+        raise ValueError(
+            f"{argument}: the cached Hub dataset {spec} ({snapshot}) has no single train split to read ({exc}); "
+            "save the config and split you want to a file, e.g. python -c \"import datasets; "
+            f"datasets.load_dataset('{spec}', CONFIG, split=SPLIT).to_json('{Path(spec).name}.jsonl')\", "
+            f"and pass --{argument.replace('_', '-')} {Path(spec).name}.jsonl."
+        ) from exc
 
 
 def _looks_like_hub_id(path: str) -> bool:
