@@ -151,30 +151,44 @@ def step_problems(cfg, n_steps: int) -> list:
 
 
 class PhaseClock:
-    """Wall seconds per phase within one step; ``wrap`` times every call of a function."""
+    """Wall seconds per phase within one step; ``wrap`` times every call of a function. On a GPU it
+    also keeps each phase's peak allocated memory (``gpu_peaks``), to say where a step's peak falls."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.gpu_peaks: dict[str, int] = {}
+        self.high = 0  # the step's peak so far, kept across the phases' resets of torch's peak
         self.last: dict[str, object] = {}
 
     def reset(self) -> None:
-        self.seconds, self.last = {}, {}
+        self.seconds, self.gpu_peaks, self.high, self.last = {}, {}, 0, {}
 
     def wrap(self, name: str, fn):
+        import torch
+
         def timed(*args, **kwargs):
+            gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if gpu:  # the phase's own peak; what came before it stays in ``high``
+                self.high = max(self.high, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             try:
                 result = fn(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                if gpu:
+                    peak = torch.cuda.max_memory_allocated()
+                    self.gpu_peaks[name] = max(self.gpu_peaks.get(name, 0), peak)
+                    self.high = max(self.high, peak)
             self.last[name] = result
             return result
 
         return timed
 
 
-def _memory() -> dict:
-    """Peak resident set since the last reset (``VmHWM``) and over the process life."""
+def _memory(clock: PhaseClock | None = None) -> dict:
+    """Peak resident set since the last reset (``VmHWM``) and over the process life; on a GPU the
+    step's peak allocated memory (with what ``clock``'s phases saw) and each phase's peak."""
     import resource
 
     hwm = 0
@@ -187,7 +201,9 @@ def _memory() -> dict:
 
     if torch.cuda.is_initialized():  # the step's peak GPU memory, then a fresh peak for the next step
         torch.cuda.synchronize()
-        out["gpu_peak"] = torch.cuda.max_memory_allocated()
+        out["gpu_peak"] = max(torch.cuda.max_memory_allocated(), clock.high if clock else 0)
+        if clock is not None:
+            out["gpu_peak_by_phase"] = dict(clock.gpu_peaks)
         torch.cuda.reset_peak_memory_stats()
     return out
 
@@ -238,7 +254,7 @@ def setup_tether(work: dict, info_path: str):
             "mean_completion": float(completion.mean()),
             "phases": phases,
             "threads": torch.get_num_threads(),
-            **_memory(),
+            **_memory(clock),
         })
 
     step.keep_alive = folder  # the run directory lives as long as the callable
@@ -419,7 +435,7 @@ def setup_trl(work: dict, info_path: str):
             "loss": seconds["training_step"] - seconds["generate_and_score"],
         }
         phases["optimizer"] = gate.wall - sum(phases.values())
-        _append(info_path, {**counts, "phases": phases, "threads": gate.threads, **_memory()})
+        _append(info_path, {**counts, "phases": phases, "threads": gate.threads, **_memory(clock)})
 
     step.keep_alive = output_dir  # the trainer's output directory lives as long as the callable
     return step

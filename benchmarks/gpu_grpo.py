@@ -94,11 +94,15 @@ def figures(result: dict) -> dict:
     records = result["records"]
     shares = [r["phases"]["sampling"] / sum(r["phases"].values()) for r in records]
     peaks = [r["gpu_peak"] for r in records if "gpu_peak" in r]
+    by_phase = [r["gpu_peak_by_phase"] for r in records if r.get("gpu_peak_by_phase")]
     return {
         "median_step_s": s["wall"], "step_times_s": list(s["times"]), "tokens_per_step": s["tokens"],
         "tokens_per_s_per_gpu": s["tokens_per_s"] / GPUS, "generation_share": statistics.median(shares),
         "mean_completion_tokens": s["completion"], "phases_s": s["phases"],
         "peak_gpu_memory_bytes": statistics.median(peaks) if peaks else None,
+        # where the peak falls: each wrapped phase's largest peak over the timed steps
+        "peak_gpu_memory_by_phase_bytes": {name: max(p[name] for p in by_phase if name in p)
+                                           for name in sorted({n for p in by_phase for n in p})},
     }
 
 
@@ -170,6 +174,12 @@ def main(argv=None) -> None:
           f"x {args.max_new_tokens} tokens (forced), no vLLM; torch {torch.__version__}; median of {args.steps} "
           f"steps after {args.warmup} warm-up\n")
     print(gpu_table(report["rows"]))
+    for key, f in report["rows"].items():
+        if f.get("peak_gpu_memory_by_phase_bytes"):
+            from _common import mib
+
+            print(f"{key} peak GPU memory by phase (MiB): "
+                  + ", ".join(f"{n} {mib(b)}" for n, b in f["peak_gpu_memory_by_phase_bytes"].items()))
     for mode, r in report["ratios"].items():
         memory = (f", peak GPU memory {r['peak_gpu_memory']:.2f}x (target <= {MEMORY_TARGET}x)"
                   if "peak_gpu_memory" in r else "")
