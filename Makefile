@@ -47,7 +47,7 @@ train-tools: install
 	$(VENV)/bin/tether train $(TOOL_RUN_FLAGS) --out runs/train-tools --overwrite
 
 test: install
-	$(PY) -m pytest -q --durations=30 -n 2 --dist loadgroup
+	$(PY) -m pytest -q --durations=30
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict

@@ -39,20 +39,3 @@ def embedded():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-# Files whose tests start Ray clusters (the docs' blocks include `tether train --workers 2`): under
-# pytest-xdist they share one worker, so no two local clusters run at once and a test that checks
-# that none is left running sees only its own.
-_ONE_CLUSTER_AT_A_TIME = ("tests/ray/", "tests/docs/test_code_blocks.py")
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Groups for ``make test``'s ``-n 2 --dist loadgroup``: a file's tests stay together on one worker,
-    in order (some share module fixtures whose state follows the page order), and the Ray files
-    share one group."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = "ray" if path.startswith(_ONE_CLUSTER_AT_A_TIME) else path
-        item.add_marker(pytest.mark.xdist_group(group))
