@@ -308,16 +308,22 @@ def sample_responses(
     draw = LocalDraw() if draw is None else draw
     pick = functools.partial(_draw, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=do_sample,
                              generator=generator, draw=draw)
-    if _use_static(model, static_cache, device, past, keep_cache):
-        forward: _CacheStep | StaticDecoder = StaticDecoder(model, batch, prompt_ids.shape[1] + max_new_tokens)
-        logits = forward.prefill(prompt_ids, prompt_mask, *_distinct_prompts(prompt_ids, prompt_mask))
-    else:
-        logits, cache, next_pos, mask = _prefill(model, prompt_ids, prompt_mask.long(), past)
-        forward = _CacheStep(model, cache, next_pos, mask)
+    forward, logits = _start(model, prompt_ids, prompt_mask, max_new_tokens, past, keep_cache, static_cache)
     kept: list | None = [None] * batch if keep_cache else None
     out = _decode(forward, logits[:, -1], limits, torch.tensor(sorted(eos_ids), device=device), pad_id,
                   max_new_tokens, pick, draw, kept)
     return out if kept is None else dataclasses.replace(out, caches=tuple(kept))
+
+
+def _start(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
+           past: Sequence[RowCache | None] | None, keep_cache: bool,
+           static_cache: bool | None) -> tuple[_CacheStep | StaticDecoder, Tensor]:
+    """The decode step ``sample_responses`` runs (see ``_use_static``), its prompts read: the step and
+    the prefill's logits ``[B, 1, V]``."""
+    if _use_static(model, static_cache, prompt_ids.device, past, keep_cache):
+        decoder = StaticDecoder(model, prompt_ids.shape[0], prompt_ids.shape[1] + max_new_tokens)
+        return decoder, decoder.prefill(prompt_ids, prompt_mask, *_distinct_prompts(prompt_ids, prompt_mask))
+    return _CacheStep.prefilled(model, prompt_ids, prompt_mask, past)
 
 
 class _CacheStep:
@@ -326,6 +332,13 @@ class _CacheStep:
 
     def __init__(self, model: nn.Module, cache: object, next_pos: Tensor, mask: Tensor) -> None:
         self.model, self.cache, self.next_pos, self.mask = model, cache, next_pos, mask
+
+    @classmethod
+    def prefilled(cls, model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                  past: Sequence[RowCache | None] | None) -> tuple[_CacheStep, Tensor]:
+        """The step after ``_prefill`` of the prompts, and the prefill's logits ``[B, 1, V]``."""
+        logits, cache, next_pos, mask = _prefill(model, prompt_ids, prompt_mask.long(), past)
+        return cls(model, cache, next_pos, mask), logits
 
     def leave(self, keep: Tensor) -> None:
         select_cache_rows(self.cache, keep)
