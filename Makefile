@@ -46,8 +46,12 @@ TOOL_RUN_FLAGS := --task arithmetic-tools --steps 8 --prompts-per-step 4 --group
 train-tools: install
 	$(VENV)/bin/tether train $(TOOL_RUN_FLAGS) --out runs/train-tools --overwrite
 
+# Two workers, one file each at a time (a file's tests keep their order: the docs' pages build on
+# each other), one thread each: two workers of two threads on two cores ran slower than one.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q --durations=30
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict
