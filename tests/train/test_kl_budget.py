@@ -6,6 +6,8 @@ run is bit-identical. The 2-rank parity is in ``test_sharded.py``, Ray in ``test
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -14,8 +16,9 @@ from tests.train.test_tool_task import cfg as tool_cfg
 from tests.train.test_tool_task import scripted_turn
 from tether.control import BudgetKLController
 from tether.models.scoring import exact_kl_tokens
+from tether.models.step_record import group_ids
 from tether.rollout import MultiTurnRollout
-from tether.train.updates import answer_kl, hold_kl_budget
+from tether.train.updates import CONFIRM_EVERY, answer_kl, confirm_rows, hold_kl_budget
 from tether.train.recipe import build_run, optimize, train
 
 BUDGET = dict(kl_controller="budget", dtype="float64", learning_rate=1e-2, kl_coef=0.05)
@@ -30,13 +33,13 @@ def _moved_away(run, sigma: float = 0.05) -> None:
                 p.add_(sigma * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 
-def _naive_kl(run, record) -> float:
-    """Mean over answers of the exact KL summed over each answer's tokens, by the two-pass
-    ``exact_kl_tokens`` (its own reference pass), not the kept hidden states."""
+def _naive_kl(run, record) -> torch.Tensor:
+    """``[B]`` the exact KL summed over each answer's tokens, by the two-pass ``exact_kl_tokens``
+    (its own reference pass), not the kept hidden states."""
     with torch.no_grad():
         kl = exact_kl_tokens(run.models.policy, run.models.reference, record.tokens, record.attention_mask,
                              where=record.assistant_mask)
-    return float(kl.sum(-1).mean())
+    return kl.sum(-1)
 
 
 @pytest.mark.parametrize("setting", [
@@ -45,22 +48,47 @@ def _naive_kl(run, record) -> float:
     dict(lora_rank=0, kl_mode="reward", kl_estimator="k1"),
     dict(lora_rank=4, updates_per_rollout=2),
 ])
-def test_the_logged_kl_is_the_kept_weights_and_under_the_top(tmp_path, setting):
+@pytest.mark.parametrize("every", [1, CONFIRM_EVERY])
+def test_the_logged_kl_is_the_kept_weights_and_under_the_top(tmp_path, setting, every):
     """After one step from weights moved away from the reference, with a target a tenth of the
-    updated weights' KL: the budget pulls them back (scale < 1), and the KL it logs after the
-    move equals the naive exact KL of the weights it kept (1e-10), within the band's top."""
+    updated weights' KL: the budget pulls them back (scale < 1) and the weights it keeps have a
+    naive exact KL within the band's top. The KL it logs after the move is, with
+    ``confirm_every=1``, that naive KL (1e-10); by default, the first reading's level times the
+    paired ratio on every third group (here group 0 of two), ``mean(b) * sum(a[S]) / sum(b[S])``
+    with ``b``, ``a`` the naive per-answer KL before and after and ``S`` that group's rows."""
     run = build_run(tiny_cfg(tmp_path / "run", **BUDGET, **setting))
     _moved_away(run)
     record, _ = prepared(run)
     optimize(run, record, 0)
-    updated = _naive_kl(run, record)
-    run.controller = BudgetKLController(init_kl_coef=0.05, target=updated / 10, model=run.leash)
-    move = hold_kl_budget(run, record)
-    assert move["kl_move_before_per_seq"] == pytest.approx(updated, rel=1e-10)
+    before = _naive_kl(run, record)
+    run.controller = BudgetKLController(init_kl_coef=0.05, target=float(before.mean()) / 10, model=run.leash)
+    move = hold_kl_budget(run, record, confirm_every=every)
+    after = _naive_kl(run, record)
+    part = confirm_rows(record, every)
+    assert part.tolist() == list(range(len(record) if every == 1 else len(record) // 2))  # groups 0 of 0, 1
+    logged = before.mean() * after[part].sum() / before[part].sum()
+    assert move["kl_move_before_per_seq"] == pytest.approx(float(before.mean()), rel=1e-10)
     assert 0 <= move["kl_move_scale"] < 1
-    assert move["kl_move_after_per_seq"] == pytest.approx(_naive_kl(run, record), rel=1e-10, abs=1e-14)
-    assert move["kl_move_after_per_seq"] <= 1.25 * updated / 10
+    assert move["kl_move_after_per_seq"] == pytest.approx(float(logged), rel=1e-10, abs=1e-14)
+    assert float(after.mean()) <= 1.25 * float(before.mean()) / 10
     assert 2 <= move["kl_move_forwards"] <= 4
+
+
+def test_confirm_rows_are_every_third_group_of_the_step_however_it_is_split():
+    """Twelve groups of two answers: one process keeps groups 0, 3, 6, 9 (rows 0-1, 6-7, 12-13,
+    18-19). Split over two ranks of six groups (local ids 0-5, the second rank's first group being
+    the step's sixth), the ranks keep local groups 0, 3 and 0, 3 (step groups 6, 9): the same
+    rows. Over three ranks of four: 0, 3 / 2 / 1 (step groups 0, 3 / 6 / 9)."""
+    def record(groups: int) -> types.SimpleNamespace:  # all confirm_rows reads
+        return types.SimpleNamespace(group_ids=group_ids(2 * groups, 2))
+
+    whole = confirm_rows(record(12), 3).tolist()
+    assert whole == [0, 1, 6, 7, 12, 13, 18, 19]
+    for ranks in (2, 3):
+        per = 12 // ranks
+        rows = [r + rank * 2 * per for rank in range(ranks) for r in confirm_rows(record(per), 3, rank * per).tolist()]
+        assert rows == whole
+    assert confirm_rows(record(4), 1).tolist() == list(range(8))
 
 
 def test_weights_are_bit_identical_when_the_budget_does_not_bind(tmp_path):
@@ -136,9 +164,10 @@ def test_tool_episodes_are_measured_on_the_assistant_tokens_only(tmp_path, monke
     tool_rows = record.episode["tool_calls"] > 0
     assert tool_rows.any()
     optimize(run, record, 0)
-    run.controller = BudgetKLController(init_kl_coef=0.05, target=_naive_kl(run, record) / 4, model=run.leash)
-    move = hold_kl_budget(run, record)
+    run.controller = BudgetKLController(init_kl_coef=0.05, target=float(_naive_kl(run, record).mean()) / 4,
+                                        model=run.leash)
+    move = hold_kl_budget(run, record, confirm_every=1)
     assert move["kl_move_scale"] < 1
-    assert move["kl_move_after_per_seq"] == pytest.approx(_naive_kl(run, record), rel=1e-10)
+    assert move["kl_move_after_per_seq"] == pytest.approx(float(_naive_kl(run, record).mean()), rel=1e-10)
     full = exact_kl_tokens(run.models.policy, run.models.reference, record.tokens, record.attention_mask)
     assert float((full.sum(-1) - (full * record.assistant_mask).sum(-1))[tool_rows].min()) > 0  # tool tokens left out

@@ -144,22 +144,53 @@ def answer_kl(actor: Any, record: StepRecord) -> Tensor:
     return (per_token.double() * mask.to(per_token.device)).sum(-1).cpu()
 
 
+# A move scales the whole update, so every answer's exact KL moves by nearly the same factor: a
+# reading after a move reads every third group and scales the first reading's level by their paired
+# ratio (on the default run's first steps 1 % off the full reading on average, 5 % at most;
+# docs/leash.md). The k1 of a log-probs-only reference can be negative per answer: no ratio there.
+CONFIRM_EVERY = 3
+
+
+def confirm_rows(record: StepRecord, every: int, first_group: int = 0) -> Tensor:
+    """``long [n]``: the rows of the groups whose index in the step, ``first_group`` plus their
+    order of appearance in ``record``, is a multiple of ``every`` (so the rows are the same
+    however the step's groups are split over ranks)."""
+    ids = record.group_ids.tolist()
+    kept = {g for i, g in enumerate(dict.fromkeys(ids)) if (first_group + i) % every == 0}
+    return torch.tensor([row for row, group in enumerate(ids) if group in kept], dtype=torch.long)
+
+
 @torch.no_grad()
-def hold_kl_budget(run: Any, record: StepRecord) -> dict[str, float]:
+def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM_EVERY) -> dict[str, float]:
     """``kl_controller=budget``, after the optimizer step: the updated weights' mean KL per answer
     over every rank's rows, and, if it left the band, the weights moved back into it (the
-    controller's ``hold``); the move's record entries and the seconds it took. Other controllers:
-    nothing, ``{}``."""
+    controller's ``hold``); the move's record entries and the seconds it took. A reading after a
+    move reads ``confirm_rows`` (``confirm_every=1``: every row). Other controllers: nothing, ``{}``."""
     if run.line is None:  # built by build_run for kl_controller=budget only
         return {}
     ranks, line, start = run.ranks, run.line, time.perf_counter()
     line.capture()
+    groups = len(set(record.group_ids.tolist()))  # each rank holds as many (ranks.share)
+    part = None if confirm_every == 1 or record.ref_hidden is None else \
+        confirm_rows(record, confirm_every, first_group=ranks.rank * groups)
+    first: dict[str, Tensor] = {}  # the first reading, totals over ranks: KL sum, answers, KL sum of `part`
+
+    def read(rows: Tensor | None = None) -> Tensor:
+        with ranks.unsharded():  # every rank gathers, even one with no rows to read
+            if rows is None:
+                return answer_kl(run.actor, record)
+            return answer_kl(run.actor, record.take(rows)) if len(rows) else torch.zeros(0, dtype=torch.float64)
 
     def measure() -> float:
-        with ranks.unsharded():
-            kl = answer_kl(run.actor, record)
-        total = ranks.total(torch.stack([kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]))
-        return float(total[0] / total[1])
+        if not first:
+            kl = read()
+            parts = [kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]
+            first["total"] = ranks.total(torch.stack(parts + ([kl[part].sum()] if part is not None else [])))
+            return float(first["total"][0] / first["total"][1])
+        total = first["total"]
+        if part is None or not total[2] > 0:
+            return float(ranks.total(read().sum()) / total[1])
+        return float(total[0] / total[1] * ranks.total(read(part).sum()) / total[2])
 
     move = run.controller.hold(line.place, measure).metrics()
     return {**move, "kl_move_seconds": time.perf_counter() - start}  # what the budget cost this step
