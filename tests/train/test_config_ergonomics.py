@@ -159,6 +159,30 @@ def test_cli_user_errors_are_one_line_with_status_2(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_an_error_a_dependency_raised_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    """``--model`` a directory whose ``config.json`` names an architecture transformers does not
+    know, with no tokenizer files: transformers itself raises (a ``ValueError`` about the
+    tokenizer), not one of tether's checks, so after the one line stderr says where it was raised
+    and prints the traceback. A check of tether's (a missing ``tether plot`` directory) stays one
+    line unless ``TETHER_TRACEBACK=1``."""
+    monkeypatch.delenv("TETHER_TRACEBACK", raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    (model / "model.safetensors").write_bytes(b"")
+    code = main(["train", "--model", str(model), "--out", str(tmp_path / "run"), "--quiet"])
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[transformers]")]
+    assert code == 2 and err[0].startswith("tether train: ")
+    assert "above was raised in" in err[1] and "transformers" in err[1] and "not by a check of tether's" in err[1]
+    assert err[2] == "Traceback (most recent call last):"
+    assert any(line.strip().startswith('File "') and "transformers" in line for line in err[3:])
+    assert len(_one_line_error(capsys, ["plot", str(tmp_path / "absent")]).splitlines()) == 1
+    monkeypatch.setenv("TETHER_TRACEBACK", "1")
+    assert main(["plot", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[1] == "Traceback (most recent call last):" and err[-1].startswith("ValueError: ")
+
+
 def test_cli_takes_trl_flags_and_underscore_spellings(tmp_path):
     """``--beta``, a bare ``--bf16`` and ``--learning_rate`` reach the config as tether keys."""
     seen = {}

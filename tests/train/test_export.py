@@ -178,7 +178,9 @@ def test_push_to_hub_without_network_leaves_the_card_and_says_how_to_push(traine
     kind = json.loads((out / "tether_export.json").read_text())["kind"]
     assert meta["library_name"] == ("peft" if kind == "adapter" else "transformers") and "grpo" in meta["tags"]
     summary = json.loads((trained / "summary.json").read_text())
-    assert f"| `accuracy_after` | {summary['accuracy_after']:.4g} |" in body
+    assert (f"| `accuracy_after` | {summary['accuracy_after']:.4g} | fraction of the held-out problems answered "
+            "right (greedy) |") in body
+    assert f"| `eval_kl_per_seq` | {summary['eval_kl_per_seq']:.4g} | nats per answer, summed over its tokens |" in body
     assert f"| `kl_controller` | {read_run_config(trained).kl_controller} |" in body
     assert read_run_config(trained).to_yaml().strip() in body
     assert {p.name for p in (out / "figures").iterdir()} == {"overview.png", "kl_per_seq.png"}

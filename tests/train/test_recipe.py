@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tether.train.config import TrainConfig
-from tether.train.metrics import PLOTTED, curve_data, plotted_panels
+from tether.train.metrics import PLOTTED, curve_data, plot_metrics, plotted_panels
 from tether.train import recipe
 from tether.train.recipe import (RewardError, accumulate_gradients, add_advantages, add_reference, build_run, sample,
                                  score_rewards, step_problems, train)
@@ -76,6 +77,11 @@ def test_end_to_end_writes_every_file(tmp_path):
     assert any(r["kl_per_seq"] != 0 for r in records[1:])  # and it moved afterwards
     saved = json.loads((run / "summary.json").read_text())
     assert saved == summary and summary["steps"] == 3
+    assert summary["seconds_in_steps"] == pytest.approx(sum(r["step_time"] for r in records), rel=1e-12)
+    numbers = {k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert set(summary["units"]) == numbers, numbers ^ set(summary["units"])  # every number has its unit
+    assert summary["units"]["eval_kl_per_seq"] == "nats per answer, summed over its tokens"
+    assert summary["units"]["steps_over_kl_bound"] == "training steps"
     for key, _, _ in plotted_panels(yaml.safe_load((run / "config.yaml").read_text())):
         assert (run / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
@@ -87,6 +93,23 @@ def test_plot_curves_are_the_metrics(tmp_path):
     data = curve_data(records)
     for i, (key, _, _) in enumerate(PLOTTED):
         assert data[key] == ([1, 2, 3], [1.0 * i, 2.0 * i, 3.0 * i])
+
+
+def test_each_reward_function_gets_its_curve_and_plot(tmp_path):
+    """A run scored by two reward functions logs ``reward/<name>`` per step: each becomes a curve
+    whose values are the logged ones (NaN at a step that lacks it) and a PNG of its own in
+    ``plots/`` (the slash of the key is no folder)."""
+    records = [{"step": s, "reward_mean": 0.5, "reward/odd_share": 0.25 * s, **({"reward/level-bonus": 1.0} if s > 1 else {})}
+               for s in (1, 2, 3)]
+    data = curve_data(records)
+    assert data["reward/odd_share"] == ([1, 2, 3], [0.25, 0.5, 0.75])
+    assert data["reward/level-bonus"][1][1:] == [1.0, 1.0] and math.isnan(data["reward/level-bonus"][1][0])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = {p.name for p in plot_metrics(run)}
+    assert {"reward_odd_share.png", "reward_level-bonus.png"} <= written
+    assert (run / "plots" / "reward_odd_share.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:

@@ -258,14 +258,16 @@ def test_resume_of_a_finished_run_says_so_and_changes_nothing(finished, tmp_path
 
 
 def test_eval_says_which_checkpoint_and_step_it_scores(finished, tmp_path, capsys):
-    """`tether eval RUN` names the checkpoint it loaded and its step on stderr, and the JSON on
-    stdout carries both; an untrained model is step 0 with no checkpoint."""
+    """`tether eval RUN` names the checkpoint it loaded and its step on stderr, shows a progress
+    bar over the held-out problems there (ending at 2/2), and the JSON on stdout carries both; an
+    untrained model is step 0 with no checkpoint."""
     run = copy_of(finished, tmp_path)
     capsys.readouterr()
     assert main(["eval", str(run), "--trust-task-code", "--eval-size", "2"]) == 0
     out = capsys.readouterr()
     checkpoint = run / "checkpoints" / "step_000002"
     assert f"tether eval: scoring {checkpoint} (step 2 of 2) on 2 held-out problems" in out.err.splitlines()
+    assert any(line.startswith("held-out evaluation: 100%") and " 2/2 " in line for line in out.err.splitlines())
     result = json.loads(out.out)
     assert (result["checkpoint"], result["step"], result["n"]) == (str(checkpoint), 2, 2)
     assert main(["eval", "--model", "tiny", "--eval-size", "1"]) == 0

@@ -8,7 +8,8 @@ TRL ``GRPOConfig`` names are accepted as flags and keys (``tether.integrations.t
 
 A user error (bad command line, bad config, a directory holding another run, a damaged
 checkpoint, a failing task) prints one line on stderr and exits with status 2, without a
-traceback; an unknown ``--flag`` gets the closest known one as a suggestion (``Parser``).
+traceback unless a dependency raised it (``_fail``); an unknown ``--flag`` gets the closest
+known one as a suggestion (``Parser``).
 Ctrl-C during ``train`` loses nothing (checkpoints are written atomically) and prints one line
 naming the newest intact checkpoint and the command that resumes from it, exiting with 130.
 ``--nproc N`` runs the command again in N processes under ``torch.distributed.run``
@@ -167,15 +168,36 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _fail(command: str, exc: BaseException) -> int:
-    """Report a user error as one line on stderr; exit status 2."""
+    """Report a user error as one line on stderr; exit status 2. An error of these types that a
+    dependency raised, not one of tether's checks, may be a bug tether did not guard against: its
+    traceback follows the line (as it does for every error with ``TETHER_TRACEBACK=1``)."""
     text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
     print(f"tether {command}: " + " ".join(line.strip() for line in str(text).splitlines()), file=sys.stderr)
+    origin = _raised_in(exc)
+    if origin is not None or os.environ.get("TETHER_TRACEBACK"):
+        if origin is not None:
+            print(f"tether {command}: the {type(exc).__name__} above was raised in {origin}, not by a check of "
+                  "tether's; if the line does not say what to change, report it with this traceback:", file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
     return 2
+
+
+def _raised_in(exc: BaseException) -> str | None:
+    """The file outside tether where ``exc`` was raised, or None when tether's own code raised it."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return None if where.is_relative_to(Path(__file__).resolve().parents[1]) else str(where)
 
 
 def _print_summary(summary: dict) -> None:
     print("\n== tether train: summary ==")
     for key, value in summary.items():
+        if key == "units":  # in summary.json, for the reader of the file
+            continue
         shown = f"{value:.4f}" if isinstance(value, float) else value
         print(f"  {key:26s} {shown}")
 
@@ -308,7 +330,7 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"tether eval: scoring {what} on {len(run.held_out)} held-out problems", file=sys.stderr)
     result = evaluate(run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                      reward=run.reward, prompt_format=cfg.prompt_format)
+                      reward=run.reward, prompt_format=cfg.prompt_format, progress=True)
     print(json.dumps({**scored, **result.as_dict()}, indent=1))
     return 0
 

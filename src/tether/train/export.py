@@ -129,8 +129,9 @@ def write_model_card(folder: Path, run_dir: Path, cfg: Any, record: dict[str, An
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {repo.split('/')[-1]}", "",
              f"A {record['kind']} policy trained by tether's GRPO on a KL leash to its "
              f"reference: run `{record['run']}`, step {record['step']}, base `{base}`, task `{cfg.task}`.", "",
-             "## Results (`summary.json`)", "", "| figure | value |", "|---|---|"]
-    lines += [f"| `{key}` | {value:.4g} |" if isinstance(value, float) else f"| `{key}` | {value} |"
+             "## Results (`summary.json`)", "", "| figure | value | unit |", "|---|---|---|"]
+    units = summary.pop("units", {})
+    lines += [f"| `{key}` | {f'{value:.4g}' if isinstance(value, float) else value} | {units.get(key, '')} |"
               for key, value in summary.items()]
     lines += ["", "## The leash", "", "| setting | value |", "|---|---|"]
     lines += [f"| `{key}` | {value} |" for key, value in leash.items()]

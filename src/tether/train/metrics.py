@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from tether.models import TransformersWrapper
 from tether.models.score_plan import row_slices
@@ -63,8 +64,11 @@ _KL_EXTRA = ("kl_exact_per_seq", "kl_move_before_per_seq", "kl_move_after_per_se
 
 
 def plotted_for(records: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
-    """``PLOTTED`` plus the optional curves some record holds."""
-    return PLOTTED + tuple(c for c in OPTIONAL_PLOTTED if any(c[0] in r for r in records))
+    """``PLOTTED`` plus the optional curves some record holds, and one curve per reward function
+    (``reward/<name>``, logged when ``reward_funcs`` or a reward model scores the run)."""
+    functions = dict.fromkeys(k for r in records for k in r if k.startswith("reward/"))
+    return (PLOTTED + tuple(c for c in OPTIONAL_PLOTTED if any(c[0] in r for r in records))
+            + tuple((k, f"Reward function {k.removeprefix('reward/')!r} (mean)", "reward") for k in functions))
 
 
 class MetricsLog:
@@ -247,7 +251,7 @@ def plot_metrics(run_dir: Path) -> list[Path]:
             if key == "accuracy":
                 _draw_held_out(target, run_dir, records)
         fig.tight_layout()
-        path = out_dir / f"{key}.png"
+        path = out_dir / f"{key.replace('/', '_')}.png"  # reward/<name>: no subfolder
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
@@ -338,9 +342,10 @@ def evaluate(
     with_kl: bool = True,
     reward: Any = None,
     prompt_format: str = "chat",
+    progress: bool = False,
 ) -> EvalResult:
     """Greedy accuracy and reward on ``problems`` (``reward``: the task's reward when None) and
-    (optionally) the exact KL along the answers."""
+    (optionally) the exact KL along the answers; ``progress`` shows a bar over the problems."""
     wrapper = TransformersWrapper(
         policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
         temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
@@ -352,6 +357,8 @@ def evaluate(
     totals, correct, per_function = [], [], []
     kl_sum = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
+    bar = tqdm(total=len(problems), desc="held-out evaluation", unit="problem", disable=not progress,
+               dynamic_ncols=True)
     for begin, end in row_slices(len(problems), _EVAL_BATCH):
         chunk = problems[begin:end]
         td = rollout(prompt_batch(chunk, prompt_format))
@@ -367,6 +374,8 @@ def evaluate(
             kl = exact_kl_tokens(policy, reference, td["tokens", "full"], td["masks", "all_attention_mask"],
                                  temperature=temperature, where=response.bool())
             kl_sum += (kl.double() * response.to(kl.device)).sum().cpu()  # the wrapper's masks are on the host
+        bar.update(len(chunk))
+    bar.close()
     n = len(problems)
     return EvalResult(
         accuracy=float(torch.cat(correct).mean()) if n and correct[0] is not None else None,
@@ -381,12 +390,13 @@ def evaluate(
 
 
 # ------------------------------------------------------------------------------ summary
-def evaluate_run(run: Run, reference: Any, with_kl: bool = True) -> dict[str, Any]:
+def evaluate_run(run: Run, reference: Any, with_kl: bool = True, progress: bool = False) -> dict[str, Any]:
     """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict."""
     try:
         return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
                         max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
-                        with_kl=with_kl, reward=run.reward, prompt_format=run.cfg.prompt_format).as_dict()
+                        with_kl=with_kl, reward=run.reward, prompt_format=run.cfg.prompt_format,
+                        progress=progress).as_dict()
     except RewardError as exc:
         raise with_checkpoints(exc, run.dir) from exc
 
@@ -396,7 +406,7 @@ def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, 
     records = run.metrics.read()
     tail = records[-3:]
     final_kl = _tail_mean(tail, "kl_per_seq") or 0.0
-    return {
+    summary = {
         "model": run.cfg.model,
         "task": run.task.name,
         "steps": run.cfg.steps,
@@ -416,10 +426,40 @@ def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, 
         "steps_over_kl_bound": sum(bool(r.get("kl_over_bound")) for r in records),
         "final_kl_coef": float(run.leash.kl_coef),
         "seconds_this_process": seconds,
+        "seconds_in_steps": sum(r.get("step_time", 0.0) for r in records),
         "eval_size": len(run.held_out),
         **({"best_eval_step": run.best.step, "best_eval_accuracy": run.best.accuracy} if run.cfg.eval_every else {}),
         **tool_summary(before, after),
     }
+    numbers = [key for key, value in summary.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    return {**summary, "units": {key: summary_unit(key) for key in numbers}}
+
+
+# The unit of each number in summary.json, in its "units" entry: the first pattern a key matches.
+_SUMMARY_UNITS: tuple[tuple[str, str], ...] = (
+    ("accuracy_gain_points", "percentage points of held-out accuracy"),
+    ("accuracy", "fraction of the held-out problems answered right (greedy)"),
+    ("reward/", "mean of this reward function over the held-out problems"),
+    ("reward_", "mean reward over the held-out problems"),
+    ("kl_per_token", "nats per answer token (exact over the vocabulary)"),
+    ("kl_exact_per_seq", "nats per answer, summed over its tokens (exact over the vocabulary)"),
+    ("kl_per_seq", "nats per answer, summed over its tokens"),
+    ("steps_over_kl_bound", "training steps"),
+    ("kl_bound", "nats per answer"),
+    ("kl_coef", "beta, the KL penalty's weight"),
+    ("seconds_this_process", "seconds of wall clock in the process that wrote this file (a resumed run's "
+                             "earlier processes not counted)"),
+    ("seconds_in_steps", "seconds of wall clock in training steps, summed over every process of the run"),
+    ("eval_size", "held-out problems"),
+    ("step", "training steps"),
+    ("rate", "fraction of held-out episodes"),
+    ("per_episode", "per held-out episode"),
+)
+
+
+def summary_unit(key: str) -> str | None:
+    """The unit of a numeric ``summary.json`` entry (None for a key no pattern covers)."""
+    return next((unit for pattern, unit in _SUMMARY_UNITS if pattern in key), None)
 
 
 def _tail_mean(tail: list[dict[str, Any]], key: str) -> float | None:

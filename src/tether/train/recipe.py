@@ -218,7 +218,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, roll
     ``rollout`` and ``run`` to reuse the loop."""
     run = build_run(cfg, fresh=not resume) if run is None else run
     try:
-        opened = open_run(run, resume=resume)
+        opened = open_run(run, resume=resume, progress=progress)
         bar = tqdm(range(opened.start, cfg.steps), initial=opened.start, total=cfg.steps, desc="tether train",
                    disable=not (progress and run.ranks.writer), dynamic_ncols=True)
         for step in bar:

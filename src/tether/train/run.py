@@ -211,30 +211,32 @@ def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
 @dataclass(frozen=True)
 class Opened:
     """Where an opened run starts: its first step, the evaluation before training, the entries
-    every checkpoint's state.json carries, and the wall clock at the start."""
+    every checkpoint's state.json carries, the wall clock at the start, and whether the held-out
+    evaluations show a progress bar."""
 
     start: int
     eval_before: dict[str, Any]
     extra: dict[str, Any]
     wall: float
+    progress: bool = False
 
 
-def open_run(run: Run, *, resume: bool) -> Opened:
+def open_run(run: Run, *, resume: bool, progress: bool = False) -> Opened:
     """Resume ``run`` from its newest checkpoint, or start its directory and evaluate the untrained
-    policy; then open its tracker."""
-    cfg, wall = run.cfg, time.perf_counter()
+    policy (``progress``: with a progress bar on the writing rank); then open its tracker."""
+    cfg, wall, progress = run.cfg, time.perf_counter(), progress and run.ranks.writer
     if resume:
         start, state = restore_run(run)
         before = state["eval_before"]
     else:
         run.ranks.on_writer(lambda: start_new_run(cfg))
-        before, start = evaluate_run(run, None, with_kl=False), 0
+        before, start = evaluate_run(run, None, with_kl=False, progress=progress), 0
     if run.ranks.writer:
         run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None,
                                    config=dataclasses.asdict(cfg))
     extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
              "data": getattr(run.task, "fingerprint", None)}
-    return Opened(start, before, extra, wall)
+    return Opened(start, before, extra, wall, progress)
 
 
 def close_step(run: Run, opened: Opened, line: dict[str, Any]) -> None:
@@ -253,7 +255,7 @@ def close_step(run: Run, opened: Opened, line: dict[str, Any]) -> None:
 def close_run(run: Run, opened: Opened) -> dict[str, Any]:
     """The final evaluation, then ``summary.json`` and the plots; returns the summary ({} on a
     rank that does not write)."""
-    after = evaluate_run(run, run.models.reference)
+    after = evaluate_run(run, run.models.reference, progress=opened.progress)
     if not run.ranks.writer:
         return {}
     summary = summarize(run, opened.eval_before, after, time.perf_counter() - opened.wall)
