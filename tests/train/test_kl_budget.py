@@ -54,8 +54,9 @@ def test_the_logged_kl_is_the_kept_weights_and_under_the_top(tmp_path, setting, 
     updated weights' KL: the budget pulls them back (scale < 1) and the weights it keeps have a
     naive exact KL within the band's top. The KL it logs after the move is, with
     ``confirm_every=1``, that naive KL (1e-10); by default, the first reading's level times the
-    paired ratio on every third group (here group 0 of two), ``mean(b) * sum(a[S]) / sum(b[S])``
-    with ``b``, ``a`` the naive per-answer KL before and after and ``S`` that group's rows."""
+    paired ratio on every third answer of each group (here rows 0 and 3 of two groups of three),
+    ``mean(b) * sum(a[S]) / sum(b[S])`` with ``b``, ``a`` the naive per-answer KL before and after
+    and ``S`` those rows."""
     run = build_run(tiny_cfg(tmp_path / "run", **BUDGET, **setting))
     _moved_away(run)
     record, _ = prepared(run)
@@ -65,7 +66,7 @@ def test_the_logged_kl_is_the_kept_weights_and_under_the_top(tmp_path, setting, 
     move = hold_kl_budget(run, record, confirm_every=every)
     after = _naive_kl(run, record)
     part = confirm_rows(record, every)
-    assert part.tolist() == list(range(len(record) if every == 1 else len(record) // 2))  # groups 0 of 0, 1
+    assert part.tolist() == (list(range(len(record))) if every == 1 else [0, 3])  # 2 groups of 3 answers
     logged = before.mean() * after[part].sum() / before[part].sum()
     assert move["kl_move_before_per_seq"] == pytest.approx(float(before.mean()), rel=1e-10)
     assert 0 <= move["kl_move_scale"] < 1
@@ -74,21 +75,21 @@ def test_the_logged_kl_is_the_kept_weights_and_under_the_top(tmp_path, setting, 
     assert 2 <= move["kl_move_forwards"] <= 4
 
 
-def test_confirm_rows_are_every_third_group_of_the_step_however_it_is_split():
-    """Twelve groups of two answers: one process keeps groups 0, 3, 6, 9 (rows 0-1, 6-7, 12-13,
-    18-19). Split over two ranks of six groups (local ids 0-5, the second rank's first group being
-    the step's sixth), the ranks keep local groups 0, 3 and 0, 3 (step groups 6, 9): the same
-    rows. Over three ranks of four: 0, 3 / 2 / 1 (step groups 0, 3 / 6 / 9)."""
-    def record(groups: int) -> types.SimpleNamespace:  # all confirm_rows reads
-        return types.SimpleNamespace(group_ids=group_ids(2 * groups, 2))
+def test_confirm_rows_are_every_third_answer_of_each_group_however_the_step_is_split():
+    """Four groups of five answers (rows 0-4, 5-9, ...): every third answer of each group is
+    its answers 0 and 3, rows 0, 3, 5, 8, 10, 13, 15, 18. Split over two ranks of two groups
+    (each rank's local group ids 0, 1), each rank keeps the same answers of its own groups, so
+    the ranks' rows, shifted by 10 for the second, are the one process's rows. Groups need not
+    be contiguous: interleaved ids keep each group's own first, fourth, ... answer."""
+    def record(ids: list[int]) -> types.SimpleNamespace:  # all confirm_rows reads
+        return types.SimpleNamespace(group_ids=torch.tensor(ids))
 
-    whole = confirm_rows(record(12), 3).tolist()
-    assert whole == [0, 1, 6, 7, 12, 13, 18, 19]
-    for ranks in (2, 3):
-        per = 12 // ranks
-        rows = [r + rank * 2 * per for rank in range(ranks) for r in confirm_rows(record(per), 3, rank * per).tolist()]
-        assert rows == whole
-    assert confirm_rows(record(4), 1).tolist() == list(range(8))
+    whole = confirm_rows(record(group_ids(20, 5).tolist()), 3).tolist()
+    assert whole == [0, 3, 5, 8, 10, 13, 15, 18]
+    half = confirm_rows(record(group_ids(10, 5).tolist()), 3).tolist()
+    assert half + [r + 10 for r in half] == whole
+    assert confirm_rows(record([0, 1, 0, 1, 0, 1, 0, 1]), 3).tolist() == [0, 1, 6, 7]
+    assert confirm_rows(record(group_ids(8, 4).tolist()), 1).tolist() == list(range(8))
 
 
 def test_weights_are_bit_identical_when_the_budget_does_not_bind(tmp_path):

@@ -145,19 +145,25 @@ def answer_kl(actor: Any, record: StepRecord) -> Tensor:
 
 
 # A move scales the whole update, so every answer's exact KL moves by nearly the same factor: a
-# reading after a move reads every third group and scales the first reading's level by their paired
-# ratio (on the default run's first steps 1 % off the full reading on average, 5 % at most;
-# docs/leash.md). The k1 of a log-probs-only reference can be negative per answer: no ratio there.
+# reading after a move reads every third answer of each group and scales the first reading's level
+# by their paired ratio. Whole groups would read fewer prompts, but answers to one prompt move
+# alike, so a third of the groups missed the full reading by up to 7 % where a third of each
+# group's answers missed it by about 2 % (benchmarks/confirm_ratio.py, docs/leash.md). The k1 of a
+# log-probs-only reference can be negative per answer: no ratio there.
 CONFIRM_EVERY = 3
 
 
-def confirm_rows(record: StepRecord, every: int, first_group: int = 0) -> Tensor:
-    """``long [n]``: the rows of the groups whose index in the step, ``first_group`` plus their
-    order of appearance in ``record``, is a multiple of ``every`` (so the rows are the same
-    however the step's groups are split over ranks)."""
-    ids = record.group_ids.tolist()
-    kept = {g for i, g in enumerate(dict.fromkeys(ids)) if (first_group + i) % every == 0}
-    return torch.tensor([row for row, group in enumerate(ids) if group in kept], dtype=torch.long)
+def confirm_rows(record: StepRecord, every: int) -> Tensor:
+    """``long [n]``: the rows of ``record`` whose place among their group's answers (0, 1, ...)
+    is a multiple of ``every``, in row order; a group is whole on one rank, so the rows do not
+    depend on how ``--nproc`` splits the step."""
+    seen: dict[int, int] = {}
+    rows = []
+    for row, group in enumerate(record.group_ids.tolist()):
+        if seen.get(group, 0) % every == 0:
+            rows.append(row)
+        seen[group] = seen.get(group, 0) + 1
+    return torch.tensor(rows, dtype=torch.long)
 
 
 @torch.no_grad()
@@ -170,16 +176,12 @@ def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM
         return {}
     ranks, line, start = run.ranks, run.line, time.perf_counter()
     line.capture()
-    groups = len(set(record.group_ids.tolist()))  # each rank holds as many (ranks.share)
-    part = None if confirm_every == 1 or record.ref_hidden is None else \
-        confirm_rows(record, confirm_every, first_group=ranks.rank * groups)
+    part = None if confirm_every == 1 or record.ref_hidden is None else confirm_rows(record, confirm_every)
     first: dict[str, Tensor] = {}  # the first reading, totals over ranks: KL sum, answers, KL sum of `part`
 
     def read(rows: Tensor | None = None) -> Tensor:
-        with ranks.unsharded():  # every rank gathers, even one with no rows to read
-            if rows is None:
-                return answer_kl(run.actor, record)
-            return answer_kl(run.actor, record.take(rows)) if len(rows) else torch.zeros(0, dtype=torch.float64)
+        with ranks.unsharded():
+            return answer_kl(run.actor, record if rows is None else record.take(rows))
 
     def measure() -> float:
         if not first:
