@@ -147,8 +147,8 @@ def answer_kl(actor: Any, record: StepRecord) -> Tensor:
 # A move scales the whole update, so every answer's exact KL moves by nearly the same factor: a
 # reading after a move reads every third answer of each group and scales the first reading's level
 # by their paired ratio. Whole groups would read fewer prompts, but answers to one prompt move
-# alike, so a third of the groups missed the full reading by up to 7 % where a third of each
-# group's answers missed it by about 2 % (benchmarks/confirm_ratio.py, docs/leash.md). The k1 of a
+# alike: at 3 nats a third of the groups missed the full reading by 7-10 % on average, a third of
+# each group's answers by 2 % (benchmarks/confirm_ratio.py, docs/leash.md). The k1 of a
 # log-probs-only reference can be negative per answer: no ratio there.
 CONFIRM_EVERY = 3
 
