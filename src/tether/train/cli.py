@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -183,14 +184,17 @@ def _fail(command: str, exc: BaseException) -> int:
 
 
 def _raised_in(exc: BaseException) -> str | None:
-    """The file outside tether where ``exc`` was raised, or None when tether's own code raised it."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return None
-    where = Path(tb.tb_frame.f_code.co_filename).resolve()
-    return None if where.is_relative_to(Path(__file__).resolve().parents[1]) else str(where)
+    """The file of a dependency where ``exc`` was raised, or None when tether raised it. The
+    standard library counts as its caller: an ``OSError`` of ``open`` or ``Path.read_text`` on a
+    user's path is reported by the tether code that opened it."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        where = Path(frame.filename).resolve()
+        library = {"site-packages", "dist-packages"} & set(where.parts)
+        if frame.filename.startswith("<") or (where.is_relative_to(stdlib) and not library):
+            continue
+        return None if where.is_relative_to(Path(__file__).resolve().parents[1]) else str(where)
+    return None
 
 
 def _print_summary(summary: dict) -> None:
