@@ -157,13 +157,9 @@ def confirm_rows(record: StepRecord, every: int) -> Tensor:
     """``long [n]``: the rows of ``record`` whose place among their group's answers (0, 1, ...)
     is a multiple of ``every``, in row order; a group is whole on one rank, so the rows do not
     depend on how ``--nproc`` splits the step."""
-    seen: dict[int, int] = {}
-    rows = []
-    for row, group in enumerate(record.group_ids.tolist()):
-        if seen.get(group, 0) % every == 0:
-            rows.append(row)
-        seen[group] = seen.get(group, 0) + 1
-    return torch.tensor(rows, dtype=torch.long)
+    ids = record.group_ids
+    place = torch.tril(ids[:, None] == ids[None, :], diagonal=-1).sum(1)  # earlier answers of its group
+    return torch.nonzero(place % every == 0).squeeze(-1)
 
 
 @torch.no_grad()
