@@ -62,19 +62,28 @@ def selected(only: str) -> list[tuple[str, dict]]:
 
 
 def plot(rows: list[tuple[str, dict, dict]], path: Path) -> None:
+    """Each run a faint marker; each point's mean over its seeds a solid one with ±1 sd bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
     for family, marker in (("constant", "o"), ("target", "s"), ("budget", "^")):
-        pts = sorted((s["eval_kl_per_seq"], 100 * s["accuracy_after"], p) for f, p, s in rows if f == family)
-        if not pts:
+        runs: dict[str, tuple[dict, list[tuple[float, float]]]] = {}
+        for f, p, s in rows:
+            if f == family:
+                runs.setdefault(name(p, 0), (p, []))[1].append((s["eval_kl_per_seq"], 100 * s["accuracy_after"]))
+        if not runs:
             continue
-        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker=marker, linestyle="-" if family != "target" else "",
-                label=family)
-        for x, y, p in pts:
+        means = sorted((*np.mean(xy, 0), *np.std(xy, 0, ddof=min(1, len(xy) - 1)), p, np.array(xy))
+                       for p, xy in runs.values())
+        line = ax.errorbar([m[0] for m in means], [m[1] for m in means], xerr=[m[2] for m in means],
+                           yerr=[m[3] for m in means], marker=marker, capsize=2, elinewidth=0.8,
+                           linestyle="-" if family != "target" else "", label=family)
+        for x, y, _, _, p, xy in means:
+            ax.scatter(xy[:, 0], xy[:, 1], marker=marker, s=12, alpha=0.3, color=line.lines[0].get_color())
             ax.annotate(f"β {p['kl_coef']:g}" if family == "constant" else f"{p['kl_target']:g}", (x, y),
                         fontsize=7, textcoords="offset points", xytext=(4, -9))
     ax.set_xlabel("held-out exact KL to the reference per answer (nats)")
