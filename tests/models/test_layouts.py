@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.models.batch_io import repack
+from tether.ops.masks import repack
 from tether.models.score_plan import iter_micro_batches, plan_micro_batches
 from tests.ops.test_relayout import SIDES, _naive_padded, _ragged
 

@@ -179,3 +179,37 @@ def test_errors(setup):
         w(TensorDict(batch_size=[1]))
     with pytest.raises(KeyError, match="role"):
         w(chat_td([[{"content": "x"}]], "full"))
+
+
+@pytest.mark.parametrize("input_mode", ["history", "text"])
+def test_sample_record_equals_the_tensordict_path(setup, input_mode):
+    """The step's path (``sample_record``: Python prompts in, a ``StepRecord`` out) draws exactly what
+    ``forward`` writes to a TensorDict from the same prompts and generator seed: the same tokens,
+    masks and sampling log-probs bit for bit, the same answer texts, and the given groups. A third of
+    the vocabulary ends an answer, so rows end at different steps and the re-layout is exercised."""
+    tok, model = setup
+    ends = list(range(0, model.config.vocab_size, 3))
+    prompts = CHATS if input_mode == "history" else ["2+3=", "Hi there", "Say something long please"]
+    if input_mode == "history":
+        td = chat_td(prompts, "prompt")
+    else:
+        td = TensorDict(batch_size=[len(prompts)])
+        write_objects(td, ("text", "prompt"), prompts)
+    generate(tok, model, input_mode=input_mode, eos_token_id=ends)(td)
+    groups = torch.tensor([0, 0, 1])
+    record = generate(tok, model, input_mode=input_mode, eos_token_id=ends).sample_record(prompts, groups)
+    assert torch.equal(record.tokens, td["tokens", "full"])
+    assert torch.equal(record.attention_mask, td["masks", "all_attention_mask"])
+    assert torch.equal(record.assistant_mask, td["masks", "all_assistant_mask"])
+    assert torch.equal(record.sample_log_probs, td["log_probs", "full"])
+    assert record.responses == list(td["text", "response"])
+    assert torch.equal(record.group_ids, groups)
+    lengths = record.assistant_mask.sum(-1)
+    assert lengths.min() >= 1 and len(set(lengths.tolist())) > 1  # answers of several lengths: not vacuous
+
+
+def test_sample_record_refuses_a_tokens_mode_wrapper(setup):
+    tok, model = setup
+    wrapper = TransformersWrapper(model, tok, input_mode="tokens", generate=True)
+    with pytest.raises(ValueError, match="sample_record: prompts are chats .*input_mode='tokens'"):
+        wrapper.sample_record([[1, 2, 3]])

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from tether.objectives import GRPOLoss
-from tether.models.batch_io import repack
+from tether.ops.masks import repack
 from tether.ops import padded_to_nested
 from tests.objectives.helpers import F64, UnigramActor, make_batch, place, scored, tiny_wrapper, two_row_grid
 

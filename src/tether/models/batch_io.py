@@ -21,7 +21,7 @@ from torch import Tensor
 
 from tether.models.chat import validate_chats
 from tether.ops import nested_to_padded, padded_to_nested
-from tether.ops.masks import row_runs, rows_to_padded
+from tether.ops.masks import repack
 from tether.ops._vocab_checks import check_mask
 
 Chat = list[dict[str, str]]
@@ -139,20 +139,6 @@ def read_ragged(
     return ragged_grid(value, mask)
 
 
-def repack(values: Tensor, mask: Tensor, padding_side: str) -> tuple[Tensor, Tensor]:
-    """Re-lay each row's contiguous run of valid entries so its padding sits on ``padding_side``.
-
-    Crops the width to the longest row. ``values`` is ``[B, T, ...]``, ``mask`` ``bool [B, T]``.
-    """
-    start, lengths = row_runs(mask)
-    width = int(lengths.max()) if lengths.numel() else 0
-    rows, span = mask.shape
-    first = torch.arange(rows, device=mask.device) * span + start  # each run's place in the flattened values
-    padded = rows_to_padded(values.reshape(rows * span, *values.shape[2:]), first, lengths, width,
-                            padding_side=padding_side)
-    return padded.values, padded.mask
-
-
 def write_ragged(
     td: TensorDictBase,
     key,
@@ -166,9 +152,7 @@ def write_ragged(
 ) -> None:
     """Store ``values`` (valid where ``mask``) padded on ``padding_side`` or as jagged rows."""
     if pad_output:
-        packed, packed_mask = repack(values, mask, padding_side)
-        if pad_value != 0:
-            packed = packed.masked_fill(~packed_mask, pad_value)
+        packed, packed_mask = repack(values, mask, padding_side, padding_value=pad_value)
         td.set(key, packed)
         if mask_key is not None:
             td.set(mask_key, packed_mask)

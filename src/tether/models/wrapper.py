@@ -22,7 +22,7 @@ so training on them would use a wrong importance ratio.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,6 @@ from tether.models.batch_io import (
     read_chats,
     read_ragged,
     read_strings,
-    repack,
     write_objects,
     write_ragged,
 )
@@ -44,8 +43,9 @@ from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.score_sink import HeadHidden, ScoredTokens
 from tether.models.scoring import default_layout, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
-from tether.ops import PADDING_SIDES, TokenStats
-from tether.ops.masks import pad_rows, position_ids
+from tether.models.step_record import StepRecord
+from tether.ops import PADDING_SIDES
+from tether.ops.masks import pad_rows, position_ids, repack
 from tether.ops.registry import lookup
 from tether.ops._vocab_checks import check_token_ids
 
@@ -62,6 +62,34 @@ class EncodedBatch:
     mask: Tensor  # bool [B, T]
     assistant_mask: Tensor | None = None  # bool [B, T]
     prompt_lengths: Tensor | None = None  # long [B]: tokens of each row that are prompt
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """Sampled answers after a left-padded prompt: ``[B, P]`` prompt, ``[B, N]`` answer columns."""
+
+    prompt: EncodedBatch
+    response_ids: Tensor  # long [B, N]
+    response_mask: Tensor  # bool [B, N]
+    response_log_probs: Tensor  # [B, N]
+    finished: Tensor  # bool [B]
+
+    @property
+    def tokens(self) -> Tensor:  # one contiguous run per row: left-padded prompt, right-padded answer
+        return torch.cat([self.prompt.ids, self.response_ids], dim=1)
+
+    @property
+    def mask(self) -> Tensor:
+        return torch.cat([self.prompt.mask, self.response_mask], dim=1)
+
+    @property
+    def assistant_mask(self) -> Tensor:
+        return torch.cat([torch.zeros_like(self.prompt.mask), self.response_mask], dim=1)
+
+    @property
+    def log_probs(self) -> Tensor:
+        return torch.cat([torch.zeros(self.prompt.ids.shape, device=self.response_log_probs.device,
+                                      dtype=self.response_log_probs.dtype), self.response_log_probs], dim=1)
 
 
 def _prompt_mask_key(td: TensorDictBase) -> tuple[str, str]:
@@ -235,7 +263,9 @@ class TransformersWrapper(TensorDictModuleBase):
         return readers[self.input_mode](td, stage, padding_side)
 
     def _encode_history(self, td: TensorDictBase, stage: str, padding_side: str) -> EncodedBatch:
-        chats = read_chats(td, ("history", stage))
+        return self._encode_chats(read_chats(td, ("history", stage)), stage, padding_side)
+
+    def _encode_chats(self, chats: list[list[dict[str, Any]]], stage: str, padding_side: str) -> EncodedBatch:
         enc = tokenize_chats(self.tokenizer, chats, add_generation_prompt=stage == "prompt")
         ids = pad_rows(enc.input_ids, padding_value=self.pad_id, padding_side=padding_side)
         assistant = pad_rows(enc.assistant_mask, padding_value=False, padding_side=padding_side)
@@ -274,8 +304,30 @@ class TransformersWrapper(TensorDictModuleBase):
         return EncodedBatch(ids=ids.long(), mask=mask, assistant_mask=assistant, prompt_lengths=prompt_lengths)
 
     # ---------------------------------------------------------------- generation
-    def _generate(self, td: TensorDictBase) -> None:
-        prompt = self._encode(td, "prompt", "left")
+    def sample_record(self, prompts: Sequence[list[dict[str, Any]]] | Sequence[str],
+                      group_ids: Tensor | None = None) -> StepRecord:
+        """Sample one answer to each prompt into a ``StepRecord`` (no TensorDict on the way).
+
+        ``prompts`` are chats in ``"history"`` mode, strings in ``"text"`` mode; ``group_ids``
+        ``long [B]`` (default: each answer its own group). The record's grid is laid out as
+        ``forward`` writes ``("tokens", "full")``: one run per row, padded on ``padding_side``.
+        """
+        if self.input_mode == "tokens":
+            raise ValueError("sample_record: prompts are chats ('history' mode) or strings ('text' mode), but this "
+                             "wrapper has input_mode='tokens'; call it on a TensorDict with ('tokens', 'prompt').")
+        prompt = (self._encode_chats(list(prompts), "prompt", "left") if self.input_mode == "history"
+                  else EncodedBatch(*self._encode_texts(list(prompts), "left")))
+        draw = self._draw(prompt)
+        tokens, mask = repack(draw.tokens, draw.mask, self.padding_side, padding_value=self.pad_id)
+        return StepRecord(
+            tokens=tokens, attention_mask=mask, assistant_mask=repack(draw.assistant_mask, draw.mask, self.padding_side)[0],
+            group_ids=torch.arange(len(prompts)) if group_ids is None else group_ids,
+            sample_log_probs=repack(draw.log_probs, draw.mask, self.padding_side)[0],
+            responses=self._decode(draw.response_ids, draw.response_mask, skip_special_tokens=True),
+        )
+
+    def _draw(self, prompt: EncodedBatch) -> _Draw:
+        """Answers to the left-padded ``prompt``, on the prompt's device."""
         opts = self.generate_kwargs
         sample = sample_responses(
             self.model,
@@ -291,33 +343,36 @@ class TransformersWrapper(TensorDictModuleBase):
             generator=opts.get("generator"),
             draw=opts.get("draw"),
         )
-        out_device = td.device if td.device is not None else prompt.ids.device
-        resp_ids, resp_mask = sample.tokens.to(out_device), sample.mask.to(out_device)
-        resp_lp = sample.log_probs.to(out_device)
-        # Left-padded prompt followed by right-padded response: one contiguous run per row.
-        full_ids = torch.cat([prompt.ids, resp_ids], dim=1)
-        full_mask = torch.cat([prompt.mask, resp_mask], dim=1)
-        assistant = torch.cat([torch.zeros_like(prompt.mask), resp_mask], dim=1)
-        self._write_common(td, full_ids, full_mask, assistant)
+        device = prompt.ids.device
+        return _Draw(prompt, sample.tokens.to(device), sample.mask.to(device), sample.log_probs.to(device),
+                     sample.finished.to(device))
+
+    def _generate(self, td: TensorDictBase) -> None:
+        prompt = self._encode(td, "prompt", "left")
+        if td.device is not None:
+            prompt = EncodedBatch(prompt.ids.to(td.device), prompt.mask.to(td.device))
+        draw = self._draw(prompt)
+        self._write_common(td, draw.tokens, draw.mask, draw.assistant_mask)
         ragged = dict(pad_output=self.pad_output, padding_side=self.padding_side)
         write_ragged(td, ("tokens", "prompt"), prompt.ids, prompt.mask, pad_value=self.pad_id, **ragged)
-        write_ragged(td, ("tokens", "response"), resp_ids, resp_mask, pad_value=self.pad_id, **ragged)
+        write_ragged(td, ("tokens", "response"), draw.response_ids, draw.response_mask, pad_value=self.pad_id, **ragged)
         if self.return_log_probs:
-            full_lp = torch.cat([torch.zeros(prompt.ids.shape, device=out_device), resp_lp], dim=1)
-            write_ragged(td, (self.log_probs_key, "full"), full_lp, full_mask, **ragged)
-            write_ragged(td, (self.log_probs_key, "response"), resp_lp, resp_mask, **ragged)
-        td.set("response_truncated", ~sample.finished.to(out_device))
-        self._write_texts(td, prompt, resp_ids, resp_mask)
+            write_ragged(td, (self.log_probs_key, "full"), draw.log_probs, draw.mask, **ragged)
+            write_ragged(td, (self.log_probs_key, "response"), draw.response_log_probs, draw.response_mask, **ragged)
+        td.set("response_truncated", ~draw.finished)
+        self._write_texts(td, prompt, draw.response_ids, draw.response_mask)
+
+    def _decode(self, ids: Tensor, mask: Tensor, *, skip_special_tokens: bool) -> list[str]:
+        return self.tokenizer.batch_decode([r[m].tolist() for r, m in zip(ids, mask)],
+                                           skip_special_tokens=skip_special_tokens)
 
     def _write_texts(self, td: TensorDictBase, prompt: EncodedBatch, resp_ids: Tensor, resp_mask: Tensor) -> None:
         tok = self.tokenizer
         if tok is None:
             return
-        prompt_rows = [r[m].tolist() for r, m in zip(prompt.ids, prompt.mask)]
-        resp_rows = [r[m].tolist() for r, m in zip(resp_ids, resp_mask)]
-        prompt_text = tok.batch_decode(prompt_rows, skip_special_tokens=False)
-        answer = tok.batch_decode(resp_rows, skip_special_tokens=True)
-        full_text = [p + tok.decode(r, skip_special_tokens=False) for p, r in zip(prompt_text, resp_rows)]
+        prompt_text = self._decode(prompt.ids, prompt.mask, skip_special_tokens=False)
+        answer = self._decode(resp_ids, resp_mask, skip_special_tokens=True)
+        full_text = [p + r for p, r in zip(prompt_text, self._decode(resp_ids, resp_mask, skip_special_tokens=False))]
         write_objects(td, ("text", "prompt"), prompt_text)
         write_objects(td, ("text", "response"), answer)
         write_objects(td, ("text", "full"), full_text)

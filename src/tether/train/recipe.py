@@ -29,7 +29,7 @@ from tether.train.config import TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Samples, Scores, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
-from tether.train.tasks import Problem, prompt_batch, tool_metrics, tool_rollout
+from tether.train.tasks import Problem, tool_metrics, tool_rollout
 from tether.train.updates import (Update, check_finite_update, has_exact_kl, hold_kl_budget, measure_kl, minibatch_bounds,
                                   store_old_log_probs)
 
@@ -49,9 +49,10 @@ def step_problems(run: Run, step: int, *, every_rank: bool = False) -> list[Prob
 @torch.no_grad()
 def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
     """Rollout: one answer per (repeated) problem from the policy, multi-turn for a tool task."""
-    multi_turn = run.task.tool_use is not None
-    td = tool_rollout(run, problems) if multi_turn else run.sampler(prompt_batch(problems, run.cfg.prompt_format))
-    return StepRecord.from_tensordict(td, group_ids=group_ids(len(problems), run.cfg.group_size))
+    groups = group_ids(len(problems), run.cfg.group_size)
+    if run.task.tool_use is not None:
+        return StepRecord.from_tensordict(tool_rollout(run, problems), group_ids=groups)
+    return run.sampler.sample_record([p.prompt(run.cfg.prompt_format) for p in problems], groups)
 
 
 def score_rewards(run: Run, record: StepRecord, problems: list[Problem], step: int) -> Scores:

@@ -62,6 +62,10 @@ class Problem:
     columns: dict[str, Any] = field(default_factory=dict)  # what reward functions get besides the texts
     text: str | None = None  # the raw prompt of --prompt-format text (chat is then its one user turn)
 
+    def prompt(self, prompt_format: str) -> Chat | str | None:
+        """What the sampler reads: the chat for ``chat`` prompts, the raw text for ``text`` ones."""
+        return self.chat if prompt_format == "chat" else self.text
+
 
 @dataclass(frozen=True)
 class ToolUse:
@@ -618,7 +622,7 @@ def prompt_batch(problems: list[Problem], prompt_format: str):
     from tether.models.batch_io import write_objects
 
     if prompt_format == "chat":
-        return chat_batch([p.chat for p in problems], key=("history", "prompt"))
+        return chat_batch([p.prompt(prompt_format) for p in problems], key=("history", "prompt"))
     td = TensorDict(batch_size=[len(problems)])
-    write_objects(td, ("text", "prompt"), [p.text for p in problems])
+    write_objects(td, ("text", "prompt"), [p.prompt(prompt_format) for p in problems])
     return td
