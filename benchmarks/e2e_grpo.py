@@ -36,7 +36,7 @@ Where the two still differ (cannot be removed without changing either library):
   may sample ``<|im_end|>`` and carry on. ``--natural-lengths`` lets both stop at
   end-of-turn; the mean completion length per tool is printed either way.
 - Scoring: tether runs each distinct prompt through the decoder once per micro-batch and the
-  answers on top of its cache (``tether.models.shared_prefix``), padding-free, with its
+  answers on top of its cache (``tether.models.packing``), padding-free, with its
   chunked output head at each distinct prompt's positions and every answer token; TRL runs
   every padded row in full and its fused head only at completion positions. Both compute
   per-token entropy in the loss (logged, coefficient 0; tether keeps it out of the graph).

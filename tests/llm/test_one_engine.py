@@ -147,12 +147,12 @@ def test_assistant_only_runs_the_head_at_assistant_tokens_only(models, assistant
     model when assistant_only, and every valid position but the first otherwise."""
     from unittest import mock
 
-    from tether.models import score_sink
+    from tether.models import score_plan
 
     tok, policy, reference = models
     ids, asst, _ = engine_rows(tok, policy)
     seen: list[int] = []
-    real = score_sink.token_stats_from_hidden
+    real = score_plan.token_stats_from_hidden
 
     def counting(hidden, *args, **kwargs):
         seen.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
@@ -160,7 +160,7 @@ def test_assistant_only_runs_the_head_at_assistant_tokens_only(models, assistant
 
     module = RetrieveKL(wrapper(tok, policy), wrapper(tok, reference, log_probs_key="ref_log_probs"),
                         assistant_only=assistant_only, add_to_reward=False)
-    with mock.patch.object(score_sink, "token_stats_from_hidden", counting):
+    with mock.patch.object(score_plan, "token_stats_from_hidden", counting):
         module(chat_batch(MULTI_TURN))
     per_model = sum(int(m[1:].sum()) for m in asst) if assistant_only else sum(len(r) - 1 for r in ids)
     assert sum(seen) == 2 * per_model

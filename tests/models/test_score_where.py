@@ -11,7 +11,7 @@ import torch
 from tests.helpers import make_tiny_model, make_tokenizer
 from tests.models.test_exact_kl_tokens import naive_kl
 from tests.models.test_shared_prefix import grpo_batch, model64  # noqa: F401 (fixture)
-from tether.models import score_sink
+from tether.models import score_plan
 from tether.models.scoring import exact_kl_tokens, score_tokens
 
 
@@ -43,13 +43,13 @@ def test_the_head_runs_only_at_the_wanted_positions(model64, share_prefix):
     tokens, mask = grpo_batch([3, 6, 5], group=3, max_response=4)
     where = _answers(tokens, mask)
     seen = []
-    real = score_sink.token_stats_from_hidden
+    real = score_plan.token_stats_from_hidden
 
     def counting(hidden, *args, **kwargs):
         seen.append(hidden.reshape(-1, hidden.shape[-1]).shape[0])
         return real(hidden, *args, **kwargs)
 
-    with mock.patch.object(score_sink, "token_stats_from_hidden", counting):
+    with mock.patch.object(score_plan, "token_stats_from_hidden", counting):
         score_tokens(model64, tokens, mask, share_prefix=share_prefix, where=where)
     assert sum(seen) == int(where.sum())
 
@@ -105,13 +105,13 @@ def test_a_kl_only_pass_gives_the_same_kl_without_the_log_probs_head(two_models,
     kept = score_tokens(reference, tokens, mask, where=where, keep_hidden=True, share_prefix=share_prefix).hidden
     full = score_tokens(policy, tokens, mask, where=where, kl_to=kept, share_prefix=share_prefix)
     calls = []
-    real = score_sink.token_stats_from_hidden
+    real = score_plan.token_stats_from_hidden
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    with mock.patch.object(score_sink, "token_stats_from_hidden", counting), torch.no_grad():
+    with mock.patch.object(score_plan, "token_stats_from_hidden", counting), torch.no_grad():
         only = score_tokens(policy, tokens, mask, where=where, kl_to=kept, share_prefix=share_prefix, log_probs=False)
     assert calls == [] and only.log_probs is None
     assert torch.equal(only.exact_kl, full.exact_kl)
@@ -163,7 +163,7 @@ def test_default_head_chunk_keeps_the_cpu_scratch_under_24_mib():
     """24 MiB / (49152 x 4 B) = 128 float32 rows for the embedded model's vocabulary, 64 in float64
     (8 B; bfloat16 is reduced in float32, so 128 too); a 10^6 vocabulary in float64 would allow 3,
     raised to the floor of 16; off the CPU the ops' default stays (None)."""
-    from tether.models.score_sink import default_chunk_size
+    from tether.models.score_plan import default_chunk_size
 
     assert default_chunk_size(torch.empty(49152, 1)) == 128
     assert default_chunk_size(torch.empty(49152, 1, dtype=torch.float64)) == 64

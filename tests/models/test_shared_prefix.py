@@ -10,7 +10,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tether.models import TransformersWrapper
 from tether.models.scoring import ACCELERATOR_TOKEN_BUDGET, DEFAULT_TOKEN_BUDGET, default_layout, score_tokens
-from tether.models.shared_prefix import plan_prefix_split
+from tether.models.packing import plan_prefix_split
 from tests.helpers import make_tiny_model, make_tokenizer
 
 

@@ -9,7 +9,7 @@ from tests.helpers import make_tiny_model, make_tokenizer
 from tests.models.test_shared_prefix import grpo_batch
 from tether.models import TransformersWrapper
 from tether.models.scoring import exact_kl_tokens, score_tokens
-from tether.models.step_record import StepRecord
+from tether.models.records import StepRecord
 from tether.objectives import GRPOLoss
 
 

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from tether.ops.checks import kl_coefficient, problems, real_number, whole_number
-from tether.ops.registry import lookup
+from tether.ops.checks import kl_coefficient, lookup, problems, real_number, whole_number
 
 
 def test_messages_name_the_argument_the_range_what_came_and_the_fix():

@@ -1,4 +1,4 @@
-"""``tether.ops.slices``: the fixed-size and the near-equal cut of ``range(size)``, against
+"""``tether.ops.masks``: the fixed-size and the near-equal cut of ``range(size)``, against
 independent references (Python slicing, ``numpy.array_split``)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tether.models.score_plan import row_slices as row_slices_of_the_plan
-from tether.ops.slices import even_slices, row_slices
+from tether.ops.masks import even_slices, row_slices
 
 
 @pytest.mark.parametrize("size", [0, 1, 5, 12, 13])

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from tests.train.test_recipe import interrupted_train, tiny_cfg
-from tether.models.score_sink import HeadHidden
-from tether.models.step_record import StepRecord, group_ids
+from tether.models.records import HeadHidden, StepRecord, group_ids
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, step_problems, train
 from tether.train.rewards import Scores, informative, keep_informative, resampled_problems

@@ -16,7 +16,7 @@ from tests.train.test_tool_task import cfg as tool_cfg
 from tests.train.test_tool_task import scripted_turn
 from tether.control import BudgetKLController
 from tether.models.scoring import exact_kl_tokens
-from tether.models.step_record import group_ids
+from tether.models.records import group_ids
 from tether.rollout import MultiTurnRollout
 from tether.train.updates import CONFIRM_EVERY, answer_kl, confirm_rows, hold_kl_budget
 from tether.train.recipe import build_run, optimize, train

@@ -12,10 +12,10 @@ weights around the reference), refits ``p`` from the last two measurements and k
 bracket; TRPO's backtracking line search is the other anchor, here aimed at a target.
 
 beta stays the penalty that shapes each update's direction, and adapts slowly: a PI rule on
-``log beta`` driven by ``e = log(kl_before / target)`` of the updated weights, the log of how
-far the move had to scale (``s**p ~ target / kl_before``). Departures from the issue's sketch
-and the measured choices (scales toward the reference, not along the step; Adam's moments
-kept) are on the docs' leash page.
+``log beta`` driven by ``e = log(kl_before / target)``. ``ReferenceLine`` holds the line: a LoRA
+policy whose reference is its adapter switched off scales each ``lora_B`` by ``s`` (exact);
+any other reference is paired parameter by parameter, shard by shard under FSDP2. The
+measured choices (scales toward the reference; Adam's moments kept) are on the leash page.
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+from torch import nn
+
 from tether.control.kl_io import check_state_keys, control_targets, mean_sequence_kl, push_coef
+from tether.models.reference import AdapterDisabledReference, tracked_pairs
 from tether.ops.checks import real_number, whole_number
 
-__all__ = ["BudgetKLController", "BudgetMove"]
+__all__ = ["BudgetKLController", "BudgetMove", "ReferenceLine"]
 
 
 @dataclass(frozen=True)
@@ -163,3 +167,50 @@ class BudgetKLController:
         config = ", ".join(f"{name}={getattr(self, name)}" for name in self._CONFIG)
         return f"{type(self).__name__}(kl_coef={self._coef}, {config})"
 
+
+class ReferenceLine:
+    """The trainable weights of ``policy`` on the line from ``reference`` through their current values."""
+
+    def __init__(self, policy: nn.Module, reference: nn.Module) -> None:
+        if isinstance(reference, AdapterDisabledReference):
+            self._pairs = _adapter_pairs(policy)
+        else:
+            self._pairs = [(param, anchor) for param, anchor in tracked_pairs(policy, reference).values()]
+        self._captured: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Take the current weights as ``s = 1`` (a copy of each moved tensor)."""
+        self._captured = [param.detach().clone() for param, _ in self._pairs]
+
+    @torch.no_grad()
+    def place(self, scale: float) -> None:
+        """Set the weights to ``theta_ref + scale * (captured - theta_ref)``."""
+        if self._captured is None:
+            raise RuntimeError("ReferenceLine.place: nothing captured; call capture() after the optimizer step first.")
+        for (param, anchor), value in zip(self._pairs, self._captured):
+            if scale == 1.0:
+                param.copy_(value)
+            elif anchor is None:
+                param.copy_(value * scale)
+            else:
+                param.copy_(torch.lerp(anchor.to(value.dtype), value, scale))
+
+
+def _adapter_pairs(policy: nn.Module) -> list[tuple[torch.Tensor, None]]:
+    """The ``lora_B`` factors of a policy whose reference is its adapter switched off (anchor 0)."""
+    pairs, other = [], []
+    for name, param in policy.named_parameters():
+        if not param.requires_grad:
+            continue
+        if "lora_B" in name:
+            pairs.append((param, None))
+        elif "lora_A" not in name:
+            other.append(name)
+    if other or not pairs:
+        raise ValueError(
+            f"policy: the KL budget moves a LoRA policy along the line from its adapter-free reference by "
+            f"scaling lora_B, but trainable parameters {other[:3] or 'none named lora_B'} are not LoRA factors; "
+            "train only LoRA factors, or use a frozen_copy reference (lora_rank=0 or reference_update=sync)."
+        )
+    return pairs

@@ -31,8 +31,7 @@ from tether.control.kl_io import (
     mean_sequence_kl,
     push_coef,
 )
-from tether.ops.checks import real_number
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup, real_number
 from tether.control.budget import BudgetKLController
 from tether.control.target import TargetKLController
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup
 
 TENSORBOARD_DIR = "tensorboard"
 COMPLETION_COLUMNS = ("prompt", "completion", "reward")

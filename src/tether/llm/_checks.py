@@ -8,7 +8,7 @@ import torch
 
 from tether.models import TransformersWrapper
 from tether.ops import KL_ESTIMATORS, PADDING_SIDES
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup
 
 
 

@@ -10,7 +10,7 @@ from tether.models.reference import (
     frozen_copy,
 )
 from tether.models.reward_model import RewardOutput, SequenceRewardModel
-from tether.models.score_sink import Scorer
+from tether.models.records import Scorer
 from tether.models.wrapper import INPUT_MODES, TransformersWrapper
 
 __all__ = [

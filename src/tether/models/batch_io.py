@@ -22,7 +22,7 @@ from torch import Tensor
 from tether.models.chat import validate_chats
 from tether.ops import nested_to_padded, padded_to_nested
 from tether.ops.masks import repack
-from tether.ops._vocab_checks import check_mask
+from tether.ops.checks import check_mask
 
 Chat = list[dict[str, str]]
 

@@ -27,8 +27,7 @@ from torch import nn
 
 from tether._compat import has_integrated_adapter, has_tuner_layers
 from tether.models.weights import load_named
-from tether.ops.checks import real_number, whole_number
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup, real_number, whole_number
 
 
 def _check_dtype(dtype) -> None:

@@ -24,12 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from tether._compat import cache_layers, new_cache, select_cache_rows
-from tether.models._limits import check_fits_model
-from tether.models.score_plan import distinct_rows
+from tether.models.score_plan import check_fits_model, distinct_rows
 from tether.models.static_decode import StaticDecoder, static_decode_supported
-from tether.ops.checks import real_number, whole_number
+from tether.ops.checks import check_mask, check_temperature, check_token_ids, real_number, whole_number
 from tether.ops.masks import pad_rows, position_ids
-from tether.ops._vocab_checks import check_mask, check_temperature, check_token_ids
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,19 @@ import torch
 from torch import Tensor, nn
 
 from tether._compat import checkpointed_layers
-from tether.models._limits import check_fits_model
-from tether.models.packing import packed_kernel, score_packed
-from tether.models.score_plan import iter_micro_batches, plan_micro_batches, row_spans, scatter_tokens  # noqa: F401 (re-exported)
-from tether.models.score_sink import HeadHidden, ScoredTokens, TokenSink, check_where
-from tether.models.shared_prefix import plan_prefix_split, score_with_shared_prefix
+from tether.models.packing import packed_kernel, plan_prefix_split, score_packed, score_with_shared_prefix
+from tether.models.records import HeadHidden, ScoredTokens
+from tether.models.score_plan import (  # noqa: F401 (iter_micro_batches, plan_micro_batches, scatter_tokens re-exported)
+    TokenSink,
+    check_fits_model,
+    check_where,
+    iter_micro_batches,
+    plan_micro_batches,
+    row_spans,
+    scatter_tokens,
+)
 from tether.ops import TokenStats, token_entropy, token_logprobs
-from tether.ops._vocab_checks import check_token_ids
-from tether.ops.checks import whole_number
+from tether.ops.checks import check_token_ids, whole_number
 
 # Most ``rows * longest_row`` tokens per forward pass. Measured on the embedded model on CPU
 # (benchmarks/scoring.py): 1024 scores mixed-length chats about 20 % faster than 4096, which
@@ -128,12 +133,12 @@ def score_tokens(
         attention_mask: ``bool [B, T]``, one contiguous run of valid tokens per row.
         temperature: the logits are divided by it before the softmax.
         chunk_size: tokens per chunk of the output head (None: a scratch of at most 24 MiB on a CPU,
-            the ops default elsewhere; see ``score_sink.default_chunk_size``).
+            the ops default elsewhere; see ``score_plan.default_chunk_size``).
         token_budget: most tokens in one forward pass (its real tokens when rows are packed,
             ``rows * longest_row`` for right-padded micro-batches).
         with_entropy: also return the entropy of ``p(. | x_<t)`` at each position.
         share_prefix: run each distinct prompt prefix through the decoder once when rows
-            share it (GRPO groups); see ``tether.models.shared_prefix``. Same values up to
+            share it (GRPO groups); see ``tether.models.packing``. Same values up to
             float rounding; falls back to plain scoring when sharing saves little.
         where: ``bool [B, T]`` positions to score (e.g. the assistant mask); the output head
             runs only there and every other position is 0. None: every position.

@@ -40,14 +40,12 @@ from tether.models.batch_io import (
 )
 from tether.models.chat import tokenize_chats
 from tether.models.sampling import check_sampling_options, sample_responses
-from tether.models.score_sink import HeadHidden, ScoredTokens
+from tether.models.records import HeadHidden, ScoredTokens, StepRecord
 from tether.models.scoring import default_layout, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
-from tether.models.step_record import StepRecord
 from tether.ops import PADDING_SIDES
 from tether.ops.masks import pad_rows, position_ids, repack
-from tether.ops.registry import lookup
-from tether.ops._vocab_checks import check_token_ids
+from tether.ops.checks import check_token_ids, lookup
 
 INPUT_MODES = ("history", "text", "tokens")
 _GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator", "draw"}
@@ -66,30 +64,17 @@ class EncodedBatch:
 
 @dataclass(frozen=True)
 class _Draw:
-    """Sampled answers after a left-padded prompt: ``[B, P]`` prompt, ``[B, N]`` answer columns."""
+    """Answers sampled after a left-padded prompt. ``tokens``, ``mask``, ``assistant_mask`` and
+    ``log_probs`` are ``[B, P + N]``: the prompt's columns, then the answer's (one run per row)."""
 
-    prompt: EncodedBatch
     response_ids: Tensor  # long [B, N]
     response_mask: Tensor  # bool [B, N]
     response_log_probs: Tensor  # [B, N]
     finished: Tensor  # bool [B]
-
-    @property
-    def tokens(self) -> Tensor:  # one contiguous run per row: left-padded prompt, right-padded answer
-        return torch.cat([self.prompt.ids, self.response_ids], dim=1)
-
-    @property
-    def mask(self) -> Tensor:
-        return torch.cat([self.prompt.mask, self.response_mask], dim=1)
-
-    @property
-    def assistant_mask(self) -> Tensor:
-        return torch.cat([torch.zeros_like(self.prompt.mask), self.response_mask], dim=1)
-
-    @property
-    def log_probs(self) -> Tensor:
-        return torch.cat([torch.zeros(self.prompt.ids.shape, device=self.response_log_probs.device,
-                                      dtype=self.response_log_probs.dtype), self.response_log_probs], dim=1)
+    tokens: Tensor
+    mask: Tensor
+    assistant_mask: Tensor
+    log_probs: Tensor
 
 
 def _prompt_mask_key(td: TensorDictBase) -> tuple[str, str]:
@@ -153,14 +138,14 @@ class TransformersWrapper(TensorDictModuleBase):
             ``rows * longest_row`` when right-padded; see ``score_tokens``). None: by the
             model's device (``tether.models.scoring.default_layout``).
         share_prefix: when rows share a prompt (GRPO groups), score each distinct prompt
-            once and the responses on top of its cache (``tether.models.shared_prefix``).
+            once and the responses on top of its cache (``tether.models.packing``).
             None: on a CPU only (``default_layout``).
         eos_token_id, pad_token_id: override the ids found on the tokenizer / model configs
             (``tether.models.special_ids``); a model with no pad id anywhere needs
             ``pad_token_id`` (the eos id is a common choice).
     """
 
-    scores_positions = True  # score() takes where= and kl_to= (tether.models.score_sink.Scorer)
+    scores_positions = True  # score() takes where= and kl_to= (tether.models.score_plan.Scorer)
 
     def __init__(
         self,
@@ -343,9 +328,11 @@ class TransformersWrapper(TensorDictModuleBase):
             generator=opts.get("generator"),
             draw=opts.get("draw"),
         )
-        device = prompt.ids.device
-        return _Draw(prompt, sample.tokens.to(device), sample.mask.to(device), sample.log_probs.to(device),
-                     sample.finished.to(device))
+        ids, mask, log_probs = (x.to(prompt.ids.device) for x in (sample.tokens, sample.mask, sample.log_probs))
+        return _Draw(ids, mask, log_probs, sample.finished.to(prompt.ids.device),
+                     tokens=torch.cat([prompt.ids, ids], 1), mask=torch.cat([prompt.mask, mask], 1),
+                     assistant_mask=torch.cat([torch.zeros_like(prompt.mask), mask], 1),
+                     log_probs=torch.cat([log_probs.new_zeros(prompt.ids.shape), log_probs], 1))
 
     def _generate(self, td: TensorDictBase) -> None:
         prompt = self._encode(td, "prompt", "left")

@@ -2,7 +2,7 @@
 
 from tether.objectives.grpo import RATIO_LEVELS, GRPOLoss
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, read_grpo_batch
-from tether.objectives.grpo_output import LOSS_FIELDS, GRPOLossOutput, GRPOTokenTerms
+from tether.models.records import LOSS_FIELDS, GRPOLossOutput, GRPOTokenTerms
 from tether.objectives.group_advantage import mc_group_advantages
 from tether.objectives.mc_advantage import MCAdvantage, prompt_group_key
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from tether.ops import ADVANTAGE_MODES, STD_MODES, group_advantages, reward_to_go
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup
 
 
 def _unit_scale(totals: Tensor, index: Tensor, counts: Tensor, ddof: int, eps: float) -> Tensor:

@@ -20,12 +20,9 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from tether.models.score_sink import HeadHidden, scores_positions
-from tether.models.step_record import StepRecord
+from tether.models.records import GRPOLossOutput, GRPOTokenTerms, HeadHidden, StepRecord, scores_positions
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
-from tether.objectives.grpo_output import GRPOLossOutput, GRPOTokenTerms
-from tether.ops.checks import kl_coefficient, real_number, whole_number
-from tether.ops.registry import lookup
+from tether.ops.checks import kl_coefficient, lookup, real_number, whole_number
 from tether.ops import (
     TokenStats,
     aggregate,
@@ -82,7 +79,7 @@ class GRPOLoss(nn.Module):
 
     Args:
         actor_network: the policy, a ``tether.models.TransformersWrapper`` or any
-            ``tether.models.score_sink.Scorer`` (``score(tokens, attention_mask, *, with_entropy)
+            ``tether.models.score_plan.Scorer`` (``score(tokens, attention_mask, *, with_entropy)
             -> TokenStats``; with ``scores_positions = True`` it is also handed ``where=`` and
             ``kl_to=``). Its temperature must be the sampling temperature.
         clip_epsilon: ``eps`` or ``(low, high)`` (clip-higher, DAPO): ratios are clipped to

@@ -10,7 +10,7 @@ from tether.ops.logprobs import (
 from tether.ops.exact_kl import exact_kl, exact_kl_from_hidden
 from tether.ops.kl import KL_CORRECTIONS, KL_ESTIMATORS, kl_abs, kl_estimate, kl_k1, kl_k2, kl_k3, kl_loss_term
 from tether.ops.aggregate import AGGREGATION_MODES, aggregate, aggregate_denominator
-from tether.ops.slices import even_slices, row_slices
+from tether.ops.masks import even_slices, row_slices
 from tether.ops.advantages import ADVANTAGE_MODES, STD_MODES, group_advantages, reward_to_go
 from tether.ops.policy_loss import (
     IMPORTANCE_WEIGHT_MODES,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tether.ops.slices import row_slices
+from tether.ops.masks import row_slices
 
 
 def shift_max_(z: Tensor) -> Tensor:

@@ -28,9 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from tether.ops._vocab_checks import check_same_device
-from tether.ops.checks import real_number
-from tether.ops.registry import lookup
+from tether.ops.checks import check_same_device, lookup, real_number
 
 
 @dataclass(frozen=True)

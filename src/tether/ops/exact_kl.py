@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tether.ops._vocab_checks import (
+from tether.ops.checks import (
     check_chunk_size,
     check_head,
     check_logits,
@@ -39,7 +39,7 @@ from tether.ops._vocab_chunks import (
     shift_max_,
 )
 from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
-from tether.ops.slices import row_slices
+from tether.ops.masks import row_slices
 
 
 def _log_softmax_(z: Tensor, spare: Tensor) -> Tensor:

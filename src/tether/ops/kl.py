@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 

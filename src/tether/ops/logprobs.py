@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tether.ops._vocab_checks import (
+from tether.ops.checks import (
     check_chunk_size,
     check_head,
     check_labels,

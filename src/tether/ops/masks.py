@@ -1,21 +1,21 @@
-"""Token masks and the padded <-> nested layouts, vectorised over rows.
+"""Token masks, row slices and the padded <-> nested layouts, vectorised over rows.
 
 Padded layout: ``[B, T, ...]`` plus ``bool [B, T]``. With ``padding_side="right"`` a row's
-valid tokens sit at ``[0, length)``; with ``"left"`` at ``[T - length, T)``.
+valid tokens sit at ``[0, length)``; with ``"left"`` at ``[T - length, T)``. Every layout of
+rows into a padded grid (nested tensors, lists of rows, packed rows, another grid's runs,
+``repack``) reads its entries through ``padded_index``.
 
-Nested layout: a ``torch.jagged`` nested tensor ``[B, j, ...]``. The jagged layout was
-chosen over the strided one because it is one contiguous ``values`` buffer plus
-``offsets``, so both directions are a single boolean-mask gather/scatter with no loop over
-rows, gradients flow through ``values``, and empty rows are allowed. (Strided nested
-tensors are still accepted by ``nested_to_padded``, at the cost of a loop over rows.)
-``padded_to_nested`` keeps a row's valid tokens in order and drops the rest, so a padded
-batch whose mask is one contiguous block per row round-trips exactly on either side.
+Nested layout: a ``torch.jagged`` nested tensor ``[B, j, ...]``: one contiguous ``values``
+buffer plus ``offsets``, so both directions are one boolean-mask gather/scatter with no loop
+over rows, gradients flow through ``values``, and empty rows are allowed (strided nested
+tensors are accepted by ``nested_to_padded`` at the cost of a loop). A padded batch whose mask
+is one contiguous block per row round-trips exactly on either side. The ragged dim need not
+be dim 1 (stacked ``[1, n_b, 1]`` rows give ``[B, 1, j, 1]``); the mask is always ``[B, T]``
+over it.
 
-The ragged dim of a jagged tensor need not be dim 1: stacking rows shaped ``[1, n_b, 1]``
-(per-step token rewards, as TensorDict's lazy stacks return them) gives ``[B, 1, j, 1]``.
-Both directions take the ragged dim into account (``ragged_dim``); the mask is always
-``[B, T]`` over that dim. Every layout of rows into a padded grid (nested tensors, lists of
-rows, packed rows, another grid's runs) reads its entries through ``padded_index``.
+``row_slices`` cuts ``range(size)`` into fixed-size ``(begin, end)`` parts (vocabulary chunks,
+micro-batches, evaluation batches); ``even_slices`` into ``n`` parts whose sizes differ by at
+most one (mini-batches, the groups each rollout worker samples).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from tether._compat import jagged_ragged_dim
-from tether.ops.checks import whole_number
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup, whole_number
 
 
 @dataclass(frozen=True)
@@ -324,3 +323,21 @@ def nested_to_padded(
     padded = rows_to_padded(values, starts, lengths, total_length, padding_side=padding_side,
                             padding_value=padding_value)
     return Padded(values=padded.values.movedim(1, ragged_dim_of(x)), mask=padded.mask)
+
+
+def row_slices(size: int, rows_per_slice: int) -> list[tuple[int, int]]:
+    """``(begin, end)`` of consecutive slices of ``rows_per_slice`` rows of ``range(size)``
+    (the last may be shorter): the one way a batch of rows is cut into fixed-size parts."""
+    return [(begin, min(begin + rows_per_slice, size)) for begin in range(0, size, rows_per_slice)]
+
+
+def even_slices(size: int, n: int) -> list[tuple[int, int]]:
+    """``(begin, end)`` of ``n`` consecutive slices of ``range(size)``, the first ``size % n``
+    one longer (empty slices when ``n > size``)."""
+    base, extra = divmod(size, n)
+    bounds, begin = [], 0
+    for k in range(n):
+        end = begin + base + (1 if k < extra else 0)
+        bounds.append((begin, end))
+        begin = end
+    return bounds

@@ -28,8 +28,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from tether.ops.checks import real_number
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup, real_number
 
 
 @dataclass(frozen=True)

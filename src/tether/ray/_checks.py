@@ -8,8 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tether.ops._vocab_checks import check_mask
-from tether.ops.checks import whole_number
+from tether.ops.checks import check_mask, whole_number
 from tether.llm.retrieve_kl import resolve_reference
 
 __all__ = ["check_batch", "check_group", "check_model_args", "check_token_range"]

@@ -32,7 +32,7 @@ from tether.models import ReferenceUpdater, TransformersWrapper
 from tether.models.batch_io import read_objects, write_objects
 from tether.models.weights import load_named
 from tether.ops.checks import whole_number
-from tether.ops.slices import even_slices
+from tether.ops.masks import even_slices
 from tether.ray._runtime import (
     actor_resources,
     check_seconds,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup
 
 __all__ = ["ParsedCall", "TOOL_CALL_FORMATS", "parse_hermes", "resolve_tool_format"]
 

@@ -2,7 +2,7 @@
 
 A ``Tool`` pairs a function with the names and types of its keyword arguments. ``TOOLS`` is
 the registry of shipped tools (``"calculator"``); ``register_tool`` adds one and
-``resolve_tools`` turns names (looked up with ``tether.ops.registry.lookup``) or ``Tool``
+``resolve_tools`` turns names (looked up with ``tether.ops.checks.lookup``) or ``Tool``
 objects into the mapping a rollout uses.
 
 ``run_tool_call`` never raises on what the model wrote: an unknown tool, a malformed call,
@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether.ops.checks import real_number, whole_number
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup, real_number, whole_number
 from tether.rollout._sandbox import run_guarded
 from tether.rollout.calculator import calculator
 from tether.rollout.tool_calls import ParsedCall

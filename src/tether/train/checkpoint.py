@@ -449,14 +449,9 @@ def best_root(run_dir: Path, *, required: bool = False) -> Path:
     return root
 
 
-def due(eval_every: int, done: int) -> bool:
-    """Whether the periodic evaluation runs after ``done`` steps."""
-    return bool(eval_every) and done % eval_every == 0
-
-
 def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
     """Every ``eval_every`` steps: ``eval_accuracy`` into the step's ``record``; True on a new best."""
-    from tether.train.metrics import evaluate
+    from tether.train.metrics import due, evaluate
 
     cfg = run.cfg
     if not due(cfg.eval_every, done):

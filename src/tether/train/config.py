@@ -20,8 +20,7 @@ from typing import Any
 import yaml
 
 from tether.integrations.trl import TRL_NAMES, TRLNameNote, translate
-from tether.ops.checks import problems, real_number, whole_number
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup, problems, real_number, whole_number
 
 
 def _f(default: Any, help: str, **choices: Any) -> Any:

@@ -29,7 +29,6 @@ from tqdm import tqdm
 from tether.models import TransformersWrapper
 from tether.models.score_plan import row_slices
 from tether.models.scoring import exact_kl_tokens
-from tether.train.checkpoint import due
 from tether.train.config import TrainConfig
 from tether.train.rewards import RewardError, TaskReward, samples_from_batch, with_checkpoints
 from tether.train.tasks import Problem, Task, episode_stats, make_tool_rollout, prompt_batch, tool_metrics, tool_summary
@@ -270,6 +269,11 @@ def plot_metrics(run_dir: Path) -> list[Path]:
 # they go to ``completions.jsonl`` and to the run's trackers (``tether.integrations.trackers``).
 COMPLETIONS_FILE = "completions.jsonl"
 COMPLETION_ROWS = 8
+
+
+def due(every: int, done: int) -> bool:
+    """Whether a periodic job (evaluation, completion logging) every ``every`` steps runs after ``done``."""
+    return bool(every) and done % every == 0
 
 
 def log_completions(run: Any, done: int, prompts: list[str], answers: list[str], rewards: Any, correct: Any) -> None:

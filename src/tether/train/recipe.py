@@ -21,8 +21,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from tether.models.step_record import StepRecord, group_ids
-from tether.objectives import GRPOLossOutput, GRPOTokenTerms
+from tether.models.records import GRPOLossOutput, GRPOTokenTerms, StepRecord, group_ids
 from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
                         gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices)
 from tether.train.config import TrainConfig

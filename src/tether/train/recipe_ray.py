@@ -27,7 +27,7 @@ import ray
 import torch
 
 from tether.models import TransformersWrapper
-from tether.models.step_record import StepRecord, group_ids
+from tether.models.records import StepRecord, group_ids
 from tether.ray import (
     ReferenceService,
     RolloutPool,

@@ -19,7 +19,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any, Callable
 
-from tether.models.step_record import StepRecord, group_ids
+from tether.models.records import StepRecord, group_ids
 from tether.train import recipe as shipped
 from tether.train.config import TrainConfig
 from tether.train.run import Run

@@ -36,9 +36,9 @@ from tether._compat import enable_gradient_checkpointing, peft_model
 from tether.control import KLController, make_kl_controller
 from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
-from tether.models.reference_line import ReferenceLine
+from tether.control.budget import ReferenceLine
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
-from tether.ops.registry import lookup
+from tether.ops.checks import lookup
 from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, open_checkpoint,
                                      periodic_eval, save_checkpoint, start_new_run, write_config)
 from tether.train.config import TrainConfig
@@ -83,11 +83,10 @@ class Run:
     tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
     ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's processes (tether.train.sharding)
     line: ReferenceLine | None = None  # kl_controller=budget: the weights it moves toward the reference
+    excluded: frozenset[str] = field(init=False)  # keys of the held-out problems, never drawn for training
 
-    @property
-    def excluded(self) -> set[str]:
-        """Keys of the held-out problems, never drawn for training."""
-        return {p.key for p in self.held_out}
+    def __post_init__(self) -> None:
+        self.excluded = frozenset(p.key for p in self.held_out)
 
 
 def _controller(cfg: TrainConfig, leash: Leash) -> Any:

@@ -31,9 +31,8 @@ from torch import Tensor, nn
 
 from tether._compat import forget_forward_order
 from tether.models.reference import AdapterDisabledReference
-from tether.models.score_sink import HeadHidden
-from tether.ops.checks import problems, whole_number
-from tether.ops.registry import lookup
+from tether.models.records import HeadHidden
+from tether.ops.checks import lookup, problems, whole_number
 
 
 # ------------------------------------------------------------------------------ device and dtype

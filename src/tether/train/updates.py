@@ -32,11 +32,11 @@ from torch import Tensor
 
 from tether.models.score_plan import row_slices
 from tether.models.scoring import causal_lm_parts
-from tether.models.step_record import StepRecord
+from tether.models.records import StepRecord
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import kl_k1
-from tether.ops.registry import lookup
-from tether.ops.slices import even_slices
+from tether.ops.checks import lookup
+from tether.ops.masks import even_slices
 from tether.train.checkpoint import describe_checkpoints
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tether.models.score_sink import HeadHidden
-from tether.models.step_record import TD_KEYS, StepRecord
+from tether.models.records import HeadHidden, StepRecord, TD_KEYS
 
 
 def _record() -> StepRecord:

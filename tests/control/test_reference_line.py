@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 
 from tests.helpers import make_tiny_model
 from tether.models import adapter_disabled, frozen_copy
-from tether.models.reference_line import ReferenceLine
+from tether.control.budget import ReferenceLine
 from tether.models.scoring import exact_kl_tokens
 
 IDS = torch.tensor([[257, 72, 105, 258, 10, 65, 66, 67, 68], [257, 200, 3, 4, 5, 6, 258, 9, 11]])
