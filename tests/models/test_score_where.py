@@ -3,6 +3,7 @@ the reference's hidden states kept there, and the exact KL computed from them in
 
 from __future__ import annotations
 
+import importlib
 from unittest import mock
 
 import pytest
@@ -170,3 +171,42 @@ def test_default_head_chunk_keeps_the_cpu_scratch_under_24_mib():
     assert default_chunk_size(torch.empty(49152, 1, dtype=torch.bfloat16)) == 128
     assert default_chunk_size(torch.empty(10**6, 1, dtype=torch.float64)) == 16
     assert default_chunk_size(torch.empty(49152, 1, device="meta")) is None
+
+
+def test_the_ops_check_one_chunk_per_scoring_call(model64):
+    """A scoring call cut into several passes (token budget 12) checks the head, options and
+    labels on its first chunk only: one host read of the label range and the dead positions
+    (``check_scored``) and one check of the two heads (``_check_hidden_pair``) per call however
+    many chunks, with log-probs, entropies and exact KL equal to 1e-12 to a call whose every
+    chunk is checked."""
+    exact_kl_module, logprobs = (importlib.import_module(f"tether.ops.{name}") for name in ("exact_kl", "logprobs"))
+    tokens, mask = grpo_batch([3, 6, 5], group=3, max_response=4)
+    where = _answers(tokens, mask)
+    ref = score_tokens(model64, tokens, mask, where=where, keep_hidden=True, token_budget=12, share_prefix=False)
+    calls = {"chunks": 0, "check_scored": 0, "_check_hidden_pair": 0}
+    real_stats = score_plan.token_stats_from_hidden
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return mock.patch.object(module, name, wrapper)
+
+    def chunk(*args, **kwargs):
+        calls["chunks"] += 1
+        return real_stats(*args, **kwargs)
+
+    def run():
+        return score_tokens(model64, tokens, mask, where=where, with_entropy=True, kl_to=ref.hidden, token_budget=12,
+                            share_prefix=False)
+
+    with mock.patch.object(score_plan, "token_stats_from_hidden", chunk), counted(logprobs, "check_scored"), \
+            counted(exact_kl_module, "_check_hidden_pair"):
+        once = run()
+    assert calls == {"chunks": calls["chunks"], "check_scored": 1, "_check_hidden_pair": 1} and calls["chunks"] >= 3
+    with mock.patch.object(score_plan, "token_stats_from_hidden", lambda *a, **k: real_stats(*a, **{**k, "checked": True})):
+        every = run()
+    for name in ("log_probs", "entropy", "exact_kl"):
+        torch.testing.assert_close(getattr(once, name), getattr(every, name), rtol=0, atol=1e-12)

@@ -169,3 +169,27 @@ def test_exact_kl_from_hidden_dead_policy_rows():
         ref_lm_head_bias=torch.full((4,), NEG, dtype=F64), chunk_size=4,
     )
     assert torch.isposinf(dead_ref).all()
+
+
+def test_unchecked_hidden_functions_compute_the_same_and_name_nothing():
+    """``checked=False`` (the scoring sink's later chunks) gives the checked values and gradients
+    bit for bit on a well-formed chunk, and on a dead position returns NaN instead of raising: the
+    caller checked its first chunk and trusts the rest."""
+    from tether.ops import exact_kl_from_hidden, token_stats_from_hidden
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    weight, ref_weight = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    labels, ref_hidden = torch.randint(0, 7, (2, 5)), torch.randn(2, 5, 4, dtype=torch.float64)
+    outs = []
+    for checked in (True, False):
+        stats = token_stats_from_hidden(hidden, weight, labels, with_entropy=True, chunk_size=3, checked=checked)
+        kl = exact_kl_from_hidden(hidden, weight, ref_hidden, ref_weight, chunk_size=3, checked=checked)
+        grad, = torch.autograd.grad((stats.log_probs + stats.entropy + kl).sum(), hidden)
+        outs.append((stats.log_probs, stats.entropy, kl, grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    dead = torch.full((7,), float("-inf"), dtype=torch.float64)
+    with pytest.raises(ValueError, match="all -inf"):
+        token_stats_from_hidden(hidden, weight, labels, lm_head_bias=dead)
+    assert token_stats_from_hidden(hidden, weight, labels, lm_head_bias=dead, checked=False).log_probs.isnan().all()

@@ -266,6 +266,7 @@ class TokenSink:
                              "kl_to (and no with_entropy), or keep log_probs=True.")
         self.with_entropy, self.keep_hidden, self.kl_to = with_entropy, keep_hidden, kl_to
         self.with_log_probs = log_probs
+        self.checked = False  # the ops check the first chunk; later chunks share its head, labels and options
         self.index: list[Tensor] = []
         self.log_probs: list[Tensor] = []
         self.entropy: list[Tensor] = []
@@ -281,10 +282,11 @@ class TokenSink:
         chosen = self.chosen(flat_index)
         if chosen is not None:
             hidden, labels, flat_index = hidden[chosen], labels[chosen], flat_index[chosen]
-        head = self.head
+        head, checked = self.head, not self.checked
         if self.with_log_probs:
             self._append(token_stats_from_hidden(hidden, head.weight, labels, lm_head_bias=getattr(head, "bias", None),
-                                                 with_entropy=self.with_entropy, **self.kwargs), flat_index)
+                                                 with_entropy=self.with_entropy, checked=checked, **self.kwargs),
+                         flat_index)
         else:
             self.index.append(flat_index)
         if self.keep_hidden:
@@ -294,8 +296,10 @@ class TokenSink:
                 ref = self.kl_to
                 self.kl.append(exact_kl_from_hidden(
                     hidden.detach(), head.weight, ref.hidden[self.rank[flat_index]], ref.weight,
-                    lm_head_bias=getattr(head, "bias", None), ref_lm_head_bias=ref.bias, **self.kwargs,
+                    lm_head_bias=getattr(head, "bias", None), ref_lm_head_bias=ref.bias, checked=checked,
+                    **self.kwargs,
                 ))
+        self.checked = True
 
     def add_values(self, stats: TokenStats, flat_index: Tensor) -> None:
         """Values already computed (``[n]`` each) for positions ``flat_index [n]``; those outside

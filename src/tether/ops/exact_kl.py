@@ -285,6 +285,7 @@ def exact_kl_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     lm_head_bias: Tensor | None = None,
     ref_lm_head_bias: Tensor | None = None,
+    checked: bool = True,
 ) -> Tensor:
     """:func:`exact_kl` of the two models' logits, computed from their last hidden states.
 
@@ -300,14 +301,17 @@ def exact_kl_from_hidden(
         temperature: > 0, applied to both sides.
         chunk_size: tokens per chunk (> 0).
         lm_head_bias, ref_lm_head_bias: optional ``[V]`` biases of the two heads.
+        checked: False skips the argument checks, for a caller that checked the same heads,
+            temperature and chunk size on an earlier chunk of one batch.
 
     Returns:
         ``[..., T]`` float32 (float64 if either side is float64), differentiable w.r.t.
         ``hidden``, ``lm_head_weight`` and ``lm_head_bias``.
     """
-    temperature = check_temperature(temperature)
-    chunk_size = check_chunk_size(chunk_size, allow_none=False)
-    _check_hidden_pair(hidden, lm_head_weight, lm_head_bias, ref_hidden, ref_lm_head_weight, ref_lm_head_bias)
+    if checked:
+        temperature = check_temperature(temperature)
+        chunk_size = check_chunk_size(chunk_size, allow_none=False)
+        _check_hidden_pair(hidden, lm_head_weight, lm_head_bias, ref_hidden, ref_lm_head_weight, ref_lm_head_bias)
     lead = hidden.shape[:-1]
     kl = _HiddenKL.apply(
         hidden.reshape(-1, hidden.shape[-1]),

@@ -237,15 +237,16 @@ def token_entropy(
 
 
 def _stats_from_hidden(
-    hidden, weight, bias, labels, temperature, chunk_size, want_entropy
+    hidden, weight, bias, labels, temperature, chunk_size, want_entropy, checked=True
 ) -> TokenStats:
-    temperature = check_temperature(temperature)
-    chunk_size = check_chunk_size(chunk_size, allow_none=False)
-    check_head(hidden, weight, bias, "hidden", "lm_head_weight", "lm_head_bias")
+    if checked:
+        temperature = check_temperature(temperature)
+        chunk_size = check_chunk_size(chunk_size, allow_none=False)
+        check_head(hidden, weight, bias, "hidden", "lm_head_weight", "lm_head_bias")
     lead, width, vocab = hidden.shape[:-1], hidden.shape[-1], weight.shape[0]
     flat_labels = None
     if labels is not None:
-        flat_labels = check_labels(labels, lead, hidden.device, "hidden").reshape(-1)
+        flat_labels = (check_labels(labels, lead, hidden.device, "hidden") if checked else labels).reshape(-1)
     log_probs, entropy, lse = _HiddenStats.apply(
         hidden.reshape(-1, width),
         weight,
@@ -255,7 +256,7 @@ def _stats_from_hidden(
         chunk_size,
         want_entropy,
     )
-    if flat_labels is not None:
+    if flat_labels is not None and checked:
         check_scored(flat_labels, vocab, lse, lead, "hidden")
     return TokenStats(
         log_probs=None if log_probs is None else log_probs.reshape(lead),
@@ -272,6 +273,7 @@ def token_stats_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     lm_head_bias: Tensor | None = None,
     with_entropy: bool = False,
+    checked: bool = True,
 ) -> TokenStats:
     """Label log-probs (and optionally entropies) straight from the last hidden states.
 
@@ -289,6 +291,10 @@ def token_stats_from_hidden(
             floats.
         lm_head_bias: optional ``[V]``.
         with_entropy: also return the entropy of each token's distribution.
+        checked: False skips the argument checks and the host read that names labels outside
+            ``[0, V)`` and positions whose logits are all ``-inf`` (NaN log-probs there): for
+            a caller that scores many chunks of one checked batch with one head (the models'
+            scoring sink checks its first chunk only).
 
     Returns:
         :class:`TokenStats` with ``[..., T]`` float32 tensors (float64 for float64 inputs),
@@ -299,7 +305,7 @@ def token_stats_from_hidden(
             f"with_entropy must be a bool, got {type(with_entropy).__name__}; pass True or False"
         )
     return _stats_from_hidden(
-        hidden, lm_head_weight, lm_head_bias, labels, temperature, chunk_size, with_entropy
+        hidden, lm_head_weight, lm_head_bias, labels, temperature, chunk_size, with_entropy, checked
     )
 
 
