@@ -25,15 +25,15 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+from tether.control.budget import BudgetKLController
 from tether.control.kl_io import (
     check_state_keys,
     control_targets,
     mean_sequence_kl,
     push_coef,
 )
-from tether.ops.checks import lookup, real_number
-from tether.control.budget import BudgetKLController
 from tether.control.target import TargetKLController
+from tether.ops.checks import lookup, real_number
 
 __all__ = [
     "KL_CONTROLLERS",

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from tether.models.chat import validate_chats
 from tether.ops import nested_to_padded, padded_to_nested
-from tether.ops.masks import repack
 from tether.ops.checks import check_mask
+from tether.ops.masks import repack
 
 Chat = list[dict[str, str]]
 

@@ -39,13 +39,13 @@ from tether.models.batch_io import (
     write_ragged,
 )
 from tether.models.chat import tokenize_chats
-from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.records import HeadHidden, ScoredTokens, StepRecord
+from tether.models.sampling import check_sampling_options, sample_responses
 from tether.models.scoring import default_layout, score_tokens
 from tether.models.special_ids import resolve_eos_ids, resolve_pad_id
 from tether.ops import PADDING_SIDES
-from tether.ops.masks import pad_rows, position_ids, repack
 from tether.ops.checks import check_token_ids, lookup
+from tether.ops.masks import pad_rows, position_ids, repack
 
 INPUT_MODES = ("history", "text", "tokens")
 _GENERATE_OPTIONS = {"max_new_tokens", "top_k", "top_p", "do_sample", "generator", "draw"}
@@ -145,7 +145,7 @@ class TransformersWrapper(TensorDictModuleBase):
             ``pad_token_id`` (the eos id is a common choice).
     """
 
-    scores_positions = True  # score() takes where= and kl_to= (tether.models.score_plan.Scorer)
+    scores_positions = True  # score() takes where= and kl_to= (tether.models.records.Scorer)
 
     def __init__(
         self,

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from tether.models.records import GRPOLossOutput, GRPOTokenTerms, HeadHidden, StepRecord, scores_positions
 from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
-from tether.ops.checks import kl_coefficient, lookup, real_number, whole_number
 from tether.ops import (
     TokenStats,
     aggregate,
@@ -33,6 +32,7 @@ from tether.ops import (
     kl_estimate,
     kl_loss_term,
 )
+from tether.ops.checks import kl_coefficient, lookup, real_number, whole_number
 
 
 def _token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -79,7 +79,7 @@ class GRPOLoss(nn.Module):
 
     Args:
         actor_network: the policy, a ``tether.models.TransformersWrapper`` or any
-            ``tether.models.score_plan.Scorer`` (``score(tokens, attention_mask, *, with_entropy)
+            ``tether.models.records.Scorer`` (``score(tokens, attention_mask, *, with_entropy)
             -> TokenStats``; with ``scores_positions = True`` it is also handed ``where=`` and
             ``kl_to=``). Its temperature must be the sampling temperature.
         clip_epsilon: ``eps`` or ``(low, high)`` (clip-higher, DAPO): ratios are clipped to

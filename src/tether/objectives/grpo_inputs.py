@@ -17,11 +17,11 @@ from tensordict import TensorDictBase
 from tensordict.utils import NestedKey
 from torch import Tensor
 
-from tether.models.records import StepRecord
 from tether.models.batch_io import fetch, has_key, missing_key
+from tether.models.records import StepRecord
 from tether.ops import nested_to_padded
-from tether.ops.masks import row_runs
 from tether.ops.checks import check_mask, check_same_device, check_token_ids
+from tether.ops.masks import row_runs
 
 
 @dataclass

@@ -23,6 +23,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tether.ops._vocab_chunks import (
+    HeadGrads,
+    first_order_only,
+    head_logits,
+    load_logits,
+    shift_max_,
+)
 from tether.ops.checks import (
     check_chunk_size,
     check_head,
@@ -30,13 +37,6 @@ from tether.ops.checks import (
     check_same_device,
     check_temperature,
     compute_dtype,
-)
-from tether.ops._vocab_chunks import (
-    HeadGrads,
-    first_order_only,
-    head_logits,
-    load_logits,
-    shift_max_,
 )
 from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
 from tether.ops.masks import row_slices

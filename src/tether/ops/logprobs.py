@@ -22,15 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tether.ops.checks import (
-    check_chunk_size,
-    check_head,
-    check_labels,
-    check_logits,
-    check_scored,
-    check_temperature,
-    compute_dtype,
-)
 from tether.ops._vocab_chunks import (
     HeadGrads,
     first_order_only,
@@ -39,6 +30,15 @@ from tether.ops._vocab_chunks import (
     load_logits,
     stats_backward,
     stats_forward,
+)
+from tether.ops.checks import (
+    check_chunk_size,
+    check_head,
+    check_labels,
+    check_logits,
+    check_scored,
+    check_temperature,
+    compute_dtype,
 )
 
 DEFAULT_CHUNK_SIZE = 1024

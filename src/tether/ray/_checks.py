@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tether.ops.checks import check_mask, whole_number
 from tether.llm.retrieve_kl import resolve_reference
+from tether.ops.checks import check_mask, whole_number
 
 __all__ = ["check_batch", "check_group", "check_model_args", "check_token_range"]
 

@@ -28,8 +28,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from tether.models.score_plan import row_slices
 from tether.models.records import StepRecord, group_ids
+from tether.models.score_plan import row_slices
 from tether.train.tasks import Problem, Task, load_user_module
 
 _RESERVED = ("prompts", "completions", "completion_ids")

@@ -34,9 +34,9 @@ from torch import nn
 
 from tether._compat import enable_gradient_checkpointing, peft_model
 from tether.control import KLController, make_kl_controller
+from tether.control.budget import ReferenceLine
 from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
-from tether.control.budget import ReferenceLine
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.ops.checks import lookup
 from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, open_checkpoint,

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tether._compat import forget_forward_order
-from tether.models.reference import AdapterDisabledReference
 from tether.models.records import HeadHidden
+from tether.models.reference import AdapterDisabledReference
 from tether.ops.checks import lookup, problems, whole_number
 
 

@@ -30,9 +30,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from tether.models.records import StepRecord
 from tether.models.score_plan import row_slices
 from tether.models.scoring import causal_lm_parts
-from tether.models.records import StepRecord
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import kl_k1
 from tether.ops.checks import lookup
