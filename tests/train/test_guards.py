@@ -36,41 +36,35 @@ def test_cli_refuses_infinite_learning_rate_before_writing(tmp_path, capsys):
     assert not out.exists()
 
 
-def poison_step(monkeypatch, bad_call: int) -> None:
-    """Make the ``bad_call``-th gradient accumulation (1-based) leave NaN gradients."""
-    real, calls = recipe.accumulate_gradients, []
+def poisoned_rollout(bad_step: int):
+    """The recipe's rollout (its public ``rollout=`` seam) with NaN sampling log-probs at step
+    ``bad_step`` (0-based): the importance ratio, the loss and every gradient of that update are NaN."""
 
-    def poisoned(run, batch, *kept):
-        sums = real(run, batch, *kept)
-        calls.append(1)
-        if len(calls) == bad_call:
-            for p in run.models.policy.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(math.nan)
-        return sums
-
-    monkeypatch.setattr(recipe, "accumulate_gradients", poisoned)
+    def rollout(run, problems, step):
+        record = recipe.sample(run, problems, step)
+        if step == bad_step:
+            record.sample_log_probs = record.sample_log_probs.masked_fill(record.assistant_mask, math.nan)
+        return record
+    return rollout
 
 
-def test_a_non_finite_update_stops_before_the_step_log_and_checkpoint(tmp_path, monkeypatch):
+def test_a_non_finite_update_stops_before_the_step_log_and_checkpoint(tmp_path):
     """NaN gradients at step 2 of 3 (checkpoint every step): the error names step 2 and the
     checkpoint that is left; metrics and checkpoints hold step 1 only, with finite weights."""
-    poison_step(monkeypatch, bad_call=2)
     run = tmp_path / "run"
     with pytest.raises(NonFiniteUpdateError, match=r"step 2: loss .* gradient norm nan.*holds the checkpoints of steps 1;"):
-        train(tiny_cfg(run), progress=False)
+        train(tiny_cfg(run), progress=False, rollout=poisoned_rollout(1))
     assert [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()] == [1]
     assert steps_kept(run) == ["step_000001"]
 
 
-def test_a_non_finite_gradient_leaves_the_weights_and_optimizer_untouched(tmp_path, monkeypatch):
+def test_a_non_finite_gradient_leaves_the_weights_and_optimizer_untouched(tmp_path):
     """A step with NaN gradients raises before ``optimizer.step``: every parameter equals its
     value before, and AdamW has no state (no step was counted)."""
-    poison_step(monkeypatch, bad_call=1)
     run = build_run(tiny_cfg(tmp_path / "run"))
     before = {n: p.detach().clone() for n, p in run.models.policy.named_parameters()}
     with pytest.raises(NonFiniteUpdateError, match="step 1: "):
-        recipe.train_step(run, 0)
+        recipe.train_step(run, 0, poisoned_rollout(0))
     assert all(torch.equal(p, before[n]) for n, p in run.models.policy.named_parameters())
     assert not run.optimizer.state
 
