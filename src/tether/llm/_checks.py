@@ -11,7 +11,6 @@ from tether.ops import KL_ESTIMATORS, PADDING_SIDES
 from tether.ops.checks import lookup
 
 
-
 def check_assistant_rows(assistant: torch.Tensor, source: str) -> None:
     """Every row of an assistant-only batch must hold at least one assistant token.
 

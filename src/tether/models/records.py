@@ -27,6 +27,7 @@ from torch import Tensor
 
 from tether.ops import TokenStats, kl_k1
 
+
 @dataclass(frozen=True)
 class HeadHidden:
     """A model's last hidden states at chosen positions of a batch, and its output head.
@@ -68,7 +69,6 @@ class HeadHidden:
         return HeadHidden(torch.cat([p.hidden for p in parts]), head.weight, head.bias)
 
 
-
 @dataclass(frozen=True)
 class ScoredTokens(TokenStats):
     """``TokenStats`` plus what a scoring call was asked to keep or compare.
@@ -85,7 +85,6 @@ class ScoredTokens(TokenStats):
     exact_kl: Tensor | None = None
 
 
-
 class Scorer(Protocol):
     """What a loss needs of its policy: per-token log-probs (and entropy) of a batch.
 
@@ -99,7 +98,6 @@ class Scorer(Protocol):
 
     def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False,
               **positions: Any) -> TokenStats: ...
-
 
 
 def scores_positions(scorer: object) -> bool:

@@ -232,7 +232,6 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
     return p
 
 
-
 # Fields that hold several of their choices, comma-separated (the CLI flag may repeat).
 LIST_FIELDS = ("report_to",)
 
