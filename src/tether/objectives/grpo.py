@@ -32,7 +32,10 @@ from tether.ops import (
     kl_estimate,
     kl_loss_term,
 )
+from tether.ops.aggregate import check_aggregation
 from tether.ops.checks import kl_coefficient, lookup, real_number, whole_number
+from tether.ops.kl import check_kl_loss_options
+from tether.ops.policy_loss import IMPORTANCE_WEIGHT_MODES, check_dual_clip, clip_bounds
 
 
 def _token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -187,23 +190,23 @@ class GRPOLoss(nn.Module):
         self.importance_cap = importance_cap
         self.device = None if device is None else torch.device(device)
         self._tensor_keys = keys
-        self._validate_by_dry_run()
+        self._check_options()
 
-    def _validate_by_dry_run(self) -> None:
-        # The ops raise typed errors that name the bad option and list the valid ones; one
-        # call on a 1x1 batch surfaces them at construction instead of at the first step.
-        one, on = torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
-        clipped_surrogate(one, one, clip_epsilon=self.clip_epsilon, dual_clip=self.dual_clip)
+    def _check_options(self) -> None:
+        # Each option is checked by the op that reads it, under this class's name for it, so a
+        # bad one fails here and not at the first step.
+        clip_bounds(self.clip_epsilon)
+        check_dual_clip(self.dual_clip)
         if self.normalizer is not None and self.aggregation != "seq-mean-token-sum-norm":
             raise ValueError(
                 f"normalizer is only used by aggregation='seq-mean-token-sum-norm'; got aggregation="
                 f"{self.aggregation!r} with normalizer={self.normalizer!r}. Drop normalizer or change the mode."
             )
-        aggregate(one, on, self.aggregation, normalizer=self.normalizer)
-        old = one if self.kl_correction == "importance" else None
-        kl_loss_term(one, one, estimator=self.kl_estimator, old_logp=old, correction=self.kl_correction)
+        check_aggregation(self.aggregation, self.normalizer, argument="aggregation")
+        check_kl_loss_options(self.kl_estimator, self.kl_correction, names=("kl_estimator", "kl_correction"))
         if self.importance_correction is not None:
-            importance_weights(one, one, on, mode=self.importance_correction, cap=self.importance_cap)
+            lookup(IMPORTANCE_WEIGHT_MODES, self.importance_correction, "importance_correction")
+            real_number("importance_cap", self.importance_cap, low=0, low_open=True)
 
     # ------------------------------------------------------------------ keys and knobs
     @property

@@ -258,6 +258,16 @@ KL_CORRECTIONS: dict[str | None, Callable[[str, Tensor, Tensor, Tensor | None], 
 }
 
 
+def check_kl_loss_options(estimator: str, correction: str | None, *, names: tuple[str, str] = ("estimator", "correction")
+                          ) -> Callable[[str, Tensor, Tensor, Tensor | None], Tensor]:
+    """The correction's function after checking ``kl_loss_term``'s options; ``names`` are the caller's
+    arguments for them, which the errors name."""
+    if estimator in _REFUSED_AS_LOSS:
+        raise ValueError(f"{names[0]}={estimator!r} cannot be used as a KL loss: {_REFUSED_AS_LOSS[estimator]}.")
+    lookup(_IMPORTANCE_FORMS, estimator, names[0])
+    return lookup(KL_CORRECTIONS, correction, names[1])
+
+
 def kl_loss_term(
     logp: Tensor,
     ref_logp: Tensor,
@@ -298,10 +308,7 @@ def kl_loss_term(
     Per-token terms summed over a sequence differentiate each token's KL at a fixed
     context; for the sequence-level KL gradient see the module docstring.
     """
-    if estimator in _REFUSED_AS_LOSS:
-        raise ValueError(f"estimator={estimator!r} cannot be used as a KL loss: {_REFUSED_AS_LOSS[estimator]}.")
-    lookup(_IMPORTANCE_FORMS, estimator, "estimator")
-    apply = lookup(KL_CORRECTIONS, correction, "correction")
+    apply = check_kl_loss_options(estimator, correction)
     _check_pair(logp, ref_logp, ("logp", "ref_logp"))
     if old_logp is not None:
         _check_pair(logp, old_logp, ("logp", "old_logp"))

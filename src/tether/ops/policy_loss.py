@@ -47,7 +47,8 @@ class PolicyLoss:
     ratio: Tensor
 
 
-def _clip_bounds(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]:
+def clip_bounds(clip_epsilon: float | tuple[float, float]) -> tuple[float, float]:
+    """``(low, high)`` of ``clip_epsilon`` after checking them (a loss checks its options with it)."""
     pair = clip_epsilon if isinstance(clip_epsilon, (tuple, list)) else (clip_epsilon, clip_epsilon)
     if len(pair) != 2 or not all(isinstance(v, Real) and not isinstance(v, bool) for v in pair):
         raise TypeError(f"clip_epsilon: expected a number or a (low, high) pair of numbers, got {clip_epsilon!r}.")
@@ -55,7 +56,7 @@ def _clip_bounds(clip_epsilon: float | tuple[float, float]) -> tuple[float, floa
     return low, real_number("clip_epsilon high", pair[1], low=0)
 
 
-def _check_dual_clip(dual_clip: float | None) -> None:
+def check_dual_clip(dual_clip: float | None) -> None:
     if dual_clip is None:
         return
     real_number("dual_clip", dual_clip, low=1, low_open=True, fix="Ye et al. (2020) use 3; pass None to disable it.")
@@ -97,8 +98,8 @@ def clipped_surrogate(
         ``PolicyLoss`` with ``loss``, ``clipped`` and ``ratio``, all ``[B, T]``.
     """
     _check_advantages(log_ratio, advantages)
-    low, high = _clip_bounds(clip_epsilon)
-    _check_dual_clip(dual_clip)
+    low, high = clip_bounds(clip_epsilon)
+    check_dual_clip(dual_clip)
     adv = advantages.detach().expand_as(log_ratio).to(log_ratio.dtype)
     lr = log_ratio.detach()
 
