@@ -6,6 +6,8 @@ no network and no model files.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -54,3 +56,12 @@ def make_tiny_classifier(
         return LlamaForSequenceClassification(config).to(dtype).eval()
     finally:
         torch.random.set_rng_state(state)
+
+
+def unloadable_model(directory: Path) -> str:
+    """A model directory that passes the config's checks but fails to load (an unknown
+    architecture, no tokenizer): a run that loads its models before a check names the model's
+    error instead of the check's, so a test sees the order through the public ``model`` field."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    return str(directory)

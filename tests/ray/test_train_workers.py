@@ -7,44 +7,50 @@ module ends.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 
-from tests.ray.test_workers import tiny_cfg, wait_for_free_cpus
-from tether.train import recipe, recipe_ray
+from tests.ray.test_workers import COUNT_TASK, tiny_cfg, wait_for_free_cpus
+from tether.train import recipe_ray
 from tether.train.metrics import MetricsLog
+from tether.train.rewards import RewardError
+from tether.train.tasks import load_task
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]
 
 
-def test_train_that_raises_mid_run_releases_the_workers(tmp_path, monkeypatch):
-    """``train`` with workers=2 (full fine-tuning) whose reward scoring fails at the second step:
-    the error reaches the caller, step 1's record was written (its KL from the service's
-    reference log-probs is 0: at step 1 the policy is the reference), and train's clean-up
-    killed the workers and the service, so the cluster's 2 CPUs are free again."""
-    score = recipe.score_rewards
+def failing_task(path: Path, cfg, step: int) -> str:
+    """A copy of the odd-share task whose reward raises on the problems of ``step`` (1-based)."""
+    task = load_task(cfg.task)
+    first = (step - 1) * cfg.prompts_per_step
+    keys = [task.train_problem(cfg.seed, first + i, set()).key for i in range(cfg.prompts_per_step)]
+    source = Path(COUNT_TASK).read_text().replace(
+        "def _reward(response, problem):\n",
+        f"def _reward(response, problem):\n    if problem.key in {keys!r}:\n"
+        "        raise ValueError('broken on purpose')\n")
+    path.write_text(source)
+    return str(path)
 
-    def fail_at_step_two(run, record, problems, step):
-        if step == 1:
-            raise recipe.RewardError("reward broke at step 2")
-        return score(run, record, problems, step)
 
-    pools = []  # held here, so the actor handles cannot simply be garbage-collected away
-
-    def kept_pool(cfg, tool_use=None):
-        pools.append(start(cfg, tool_use))
-        return pools[-1]
-
-    start = recipe_ray.start_workers
-    monkeypatch.setattr(recipe, "score_rewards", fail_at_step_two)
-    monkeypatch.setattr(recipe_ray, "start_workers", kept_pool)
-    with pytest.raises(recipe.RewardError, match="reward broke"), pytest.warns(UserWarning, match="sampled KL"):
-        recipe_ray.train(tiny_cfg(tmp_path / "ray"), progress=False)
-    assert len(pools) == 1 and pools[0].workers == []
+def test_train_that_raises_mid_run_releases_the_workers(tmp_path):
+    """``train`` with workers=2 (full fine-tuning) on a task whose reward raises on the second
+    step's problems: the error reaches the caller, step 1's record was written (its KL from the
+    service's reference log-probs is 0: at step 1 the policy is the reference), and train's
+    clean-up stopped the workers and the service, so the cluster's 2 CPUs are free again. The
+    raised error's traceback holds train's frame and with it the pool, so the CPUs come back
+    through the clean-up, not through the actor handles being dropped."""
+    cfg = tiny_cfg(tmp_path / "ray")
+    cfg = tiny_cfg(tmp_path / "ray", task=failing_task(tmp_path / "failing_task.py", cfg, step=2))
+    with pytest.raises(RewardError, match=r"reward raised ValueError: broken on purpose at step 2,") as raised, \
+            pytest.warns(UserWarning, match="sampled KL"):
+        recipe_ray.train(cfg, progress=False)
     [record] = MetricsLog(tmp_path / "ray" / "metrics.jsonl").read()
     assert record["step"] == 1 and record["kl_per_seq"] == pytest.approx(0.0, abs=1e-5)
     assert ray.is_initialized()  # the session's cluster, not train's: left connected
     assert wait_for_free_cpus(2.0) == 2.0
+    assert raised.traceback  # held until here
 
 
 def test_kl_budget_reads_k1_against_the_services_log_probs(tmp_path):

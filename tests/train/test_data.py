@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import unloadable_model
 from tests.train.test_recipe import _metrics, interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
 from tether.train.tasks import check_data, dataset_task, read_rows, rows_to_problems, split_rows
@@ -175,7 +176,6 @@ def test_a_hub_dataset_id_is_read_from_the_local_cache_without_network(tmp_path,
     import huggingface_hub.constants
 
     from tests.train.test_run_dir import one_error_line
-    from tether.train import run as run_module
     from tether.train.cli import main
 
     def refuse(*args, **kwargs):
@@ -193,11 +193,7 @@ def test_a_hub_dataset_id_is_read_from_the_local_cache_without_network(tmp_path,
     with pytest.raises(ValueError, match=r"eval_dataset: data/gsm8k.jsonl does not exist; give a .jsonl"):
         read_rows("data/gsm8k.jsonl", "eval_dataset")
 
-    def no_models(cfg):
-        raise AssertionError("the models were loaded before the dataset was read")
-
-    monkeypatch.setattr(run_module, "build_models", no_models)
-    cfg = data_cfg(tmp_path, "openai/gsm8k", out=tmp_path / "run")
+    cfg = data_cfg(tmp_path, "openai/gsm8k", out=tmp_path / "run", model=unloadable_model(tmp_path / "model"))
     assert main(["train", "--quiet", *[f"{k}={v}" for k, v in cfg.__dict__.items()]]) == 2
     line = one_error_line(capsys)
     assert "dataset: 'openai/gsm8k' is no local path and is not in the Hugging Face cache" in line

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import make_tiny_classifier, make_tokenizer
+from tests.helpers import make_tiny_classifier, make_tokenizer, unloadable_model
 from tests.train.test_data import ROWS, write_jsonl
 from tests.train.test_recipe import tiny_cfg
 from tether.models import SequenceRewardModel
@@ -329,20 +329,14 @@ def test_a_failing_reward_leaves_a_run_that_resumes(tmp_path):
     ("def narrow(prompts, completions):\n    return [0.0] * len(completions)\n",
      r"reward function narrow \(.*r.py\) cannot take the arguments \['answer', .*\] by keyword .*\*\*kwargs"),
 ], ids=["missing-column", "no-kwargs"])
-def test_a_reward_function_the_dataset_cannot_call_fails_before_the_model_loads(tmp_path, monkeypatch, capsys,
+def test_a_reward_function_the_dataset_cannot_call_fails_before_the_model_loads(tmp_path, capsys,
                                                                               source, match):
     """A function needing a column the dataset lacks (or taking no **kwargs beside its columns) is
     refused by `tether train` in one line (exit 2) before any model is built, and the run
     directory is never created; the reward file ran once."""
     import re
 
-    from tether.train import run as run_module
-
-    def no_models(cfg):
-        raise AssertionError("the models were loaded before the reward functions were checked")
-
-    monkeypatch.setattr(run_module, "build_models", no_models)
-    cfg = run_cfg(tmp_path, rewards="print('reward file ran')\n" + source)
+    cfg = run_cfg(tmp_path, rewards="print('reward file ran')\n" + source, model=unloadable_model(tmp_path / "model"))
     with pytest.raises(RewardError, match=match):
         train(cfg, progress=False)
     assert not (tmp_path / "run").exists()
