@@ -13,11 +13,10 @@ import torch
 
 from tests.train.test_recipe import _metrics, _weights, interrupted_train, prepared, tiny_cfg
 from tests.train.test_tool_task import cfg as tool_cfg
-from tests.train.test_tool_task import scripted_turn
+from tests.train.test_tool_task import scripted_rollout
 from tether.control import BudgetKLController
 from tether.models.scoring import exact_kl_tokens
 from tether.models.records import group_ids
-from tether.rollout import MultiTurnRollout
 from tether.train.updates import CONFIRM_EVERY, answer_kl, confirm_rows, hold_kl_budget
 from tether.train.recipe import build_run, optimize, train
 
@@ -155,13 +154,12 @@ def test_resume_is_bit_identical(tmp_path):
     assert any(r["kl_move_scale"] != 1.0 for r in _metrics(clean))
 
 
-def test_tool_episodes_are_measured_on_the_assistant_tokens_only(tmp_path, monkeypatch):
+def test_tool_episodes_are_measured_on_the_assistant_tokens_only(tmp_path):
     """Multi-turn episodes with a tool result inside: the budget's KL is the exact KL summed over
     the assistant mask alone (which excludes the tool's tokens), equal to the naive two-pass one."""
-    monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
     run = build_run(tool_cfg(tmp_path / "run", prompts_per_step=2, dtype="float64", kl_controller="budget"))
     _moved_away(run, sigma=0.02)
-    record, _ = prepared(run)
+    record, _ = prepared(run, rollout=scripted_rollout)
     tool_rows = record.episode["tool_calls"] > 0
     assert tool_rows.any()
     optimize(run, record, 0)

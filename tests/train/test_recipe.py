@@ -27,11 +27,11 @@ COUNT_TASK = str(HERE / "count_task.py")
 TIMING_KEYS = {"step_time", "tokens_per_s", "kl_move_seconds"}
 
 
-def prepared(run, step: int = 0):
+def prepared(run, step: int = 0, rollout=sample):
     """Step ``step``'s record after the rollout, reward, reference and advantage stages (what the
     loss reads), with the reward scores."""
     problems = step_problems(run, step)
-    record = sample(run, problems, step)
+    record = rollout(run, problems, step)
     scores = score_rewards(run, record, problems, step)
     add_reference(run, record)
     add_advantages(run, record)

@@ -14,6 +14,8 @@ import torch
 
 from tests.helpers import make_tokenizer
 from tests.llm.naive import naive_logprobs
+from tether.llm import chat_batch
+from tether.models.records import StepRecord, group_ids
 from tether.rollout import MultiTurnRollout
 from tether.train.cli import main
 from tether.train.config import TrainConfig
@@ -56,31 +58,43 @@ def test_task_problems_and_reward():
     assert task.is_correct(f"{a * b:,}", problem)  # thousands separators are read as one number
 
 
-def scripted_turn(self, rows, limits):
-    """The even rows of the first turn call the calculator, then answer with its result; the odd
-    rows answer 7. With groups of two, each group holds one of each, so every group's rewards
-    differ. Log-probs are the tiny model's own, so the step is on-policy for forced replies."""
-    tok, model = self.policy.tokenizer, self.policy.model
-    out = []
-    for index, (row, limit) in enumerate(zip(rows, limits)):
-        text = tok.decode(row)
-        a, b = operands(text.split("<|im_start|>user")[-1])  # the question, after the worked example
-        calls = text.split("<|im_start|>user")[-1].count("<|im_start|>assistant") - 1
-        if index % 2 == 0 or calls:  # later turns hold only the callers
-            reply = CALL % f"{a} * {b}" if calls == 0 else re.findall(r"tool\n(\d+)", text)[-1]
-        else:
-            reply = "7"
-        ids = tok(reply)["input_ids"] + [tok.eos_token_id]
-        with torch.no_grad():
-            lp = naive_logprobs(model, torch.tensor(row + ids), temperature=self.policy.temperature)[len(row):]
-        out.append((ids, lp.float().tolist(), True))
-    return out
+class ScriptedRollout(MultiTurnRollout):
+    """Multi-turn episodes whose assistant messages follow a script (``sample_turn`` overridden)."""
+
+    def sample_turn(self, rows, limits):
+        """The even rows of the first turn call the calculator, then answer with its result; the odd
+        rows answer 7. With groups of two, each group holds one of each, so every group's rewards
+        differ. Log-probs are the tiny model's own, so the step is on-policy for forced replies."""
+        tok, model = self.policy.tokenizer, self.policy.model
+        out = []
+        for index, (row, limit) in enumerate(zip(rows, limits)):
+            text = tok.decode(row)
+            a, b = operands(text.split("<|im_start|>user")[-1])  # the question, after the worked example
+            calls = text.split("<|im_start|>user")[-1].count("<|im_start|>assistant") - 1
+            if index % 2 == 0 or calls:  # later turns hold only the callers
+                reply = CALL % f"{a} * {b}" if calls == 0 else re.findall(r"tool\n(\d+)", text)[-1]
+            else:
+                reply = "7"
+            ids = tok(reply)["input_ids"] + [tok.eos_token_id]
+            with torch.no_grad():
+                lp = naive_logprobs(model, torch.tensor(row + ids), temperature=self.policy.temperature)[len(row):]
+            out.append((ids, lp.float().tolist(), True))
+        return out
 
 
-def test_recipe_step_on_scripted_tool_episodes(tmp_path, monkeypatch):
-    monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
+def scripted_rollout(run, problems, step):
+    """The recipe's rollout stage (``train_step(run, step, rollout)``) over ``ScriptedRollout``."""
+    use = run.task.tool_use
+    episodes = ScriptedRollout(run.sampler, list(use.tools), max_turns=use.max_turns, max_tokens=use.max_tokens)
+    batch = chat_batch([p.chat for p in problems], key=("history", "prompt"))
+    with torch.no_grad():
+        episodes(batch)
+    return StepRecord.from_tensordict(batch, group_ids=group_ids(len(problems), run.cfg.group_size))
+
+
+def test_recipe_step_on_scripted_tool_episodes(tmp_path):
     run = build_run(cfg(tmp_path / "run", prompts_per_step=4))
-    record = train_step(run, 0)
+    record = train_step(run, 0, scripted_rollout)
     rate = 0.5  # one caller in each group of two
     assert record["tool_call_rate"] == rate and record["tool_calls_per_episode"] == rate
     assert record["turns_per_episode"] == 1 + rate and record["tool_error_rate"] == 0.0
@@ -103,7 +117,7 @@ def test_train_smoke_on_the_tiny_model(tmp_path):
         assert (tmp_path / "run" / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):
+def test_episode_limit_flags_reach_the_rollout(tmp_path):
     """``--max-turns 1``: the first message is the last, so the scripted callers' tool calls are
     not run (end "max_turns"), no tool turn is written, and every episode has one message;
     ``--max-episode-tokens`` lands in the task's ``ToolUse`` as its ``max_tokens``."""
@@ -112,10 +126,9 @@ def test_episode_limit_flags_reach_the_rollout(tmp_path, monkeypatch):
                  "--max-episode-tokens", "900", "--out", str(tmp_path / "r"), "--quiet"],
                 train_fn=lambda cfg, **_: seen.update(cfg=cfg) or {})
     assert code == 0 and (seen["cfg"].max_turns, seen["cfg"].max_episode_tokens) == (1, 900)
-    monkeypatch.setattr(MultiTurnRollout, "sample_turn", scripted_turn)
     run = build_run(cfg(tmp_path / "run", prompts_per_step=4, max_turns=1, max_episode_tokens=900))
     assert (run.task.tool_use.max_turns, run.task.tool_use.max_tokens) == (1, 900)
-    record = train_step(run, 0)
+    record = train_step(run, 0, scripted_rollout)
     assert record["tool_call_rate"] == 0.0 and record["turns_per_episode"] == 1.0
 
 
