@@ -121,7 +121,7 @@ class BudgetKLController:
         scale = 1.0
         if not act_low <= kl_before <= self.target * (1 + self.band / 2):
             scale = self._search(move, measure, points)
-        self.update(kl_before, n_steps=1)
+        self.update(torch.tensor([kl_before], dtype=torch.float64))
         return BudgetMove(kl_before, points.get(scale, 0.0), scale, len(points))
 
     def _search(self, move: Callable[[float], None], measure: Callable[[], float], points: dict[float, float]) -> float:

@@ -46,9 +46,10 @@ def push_coef(targets: tuple[Any, ...], coef: float) -> None:
 def mean_sequence_kl(kl_values: Any, n_steps: int | None) -> tuple[float, int]:
     """Returns (mean per-sequence KL, number of sequences) from the accepted input forms.
 
-    ``kl_values`` is a 1-D tensor ``[N]`` or a sequence of N numbers (each the KL of one
-    sequence summed over its tokens), or a scalar already averaged over ``n_steps``
-    sequences, in which case ``n_steps`` is required.
+    ``kl_values`` is a 1-D tensor ``[N]`` (each the KL of one sequence summed over its tokens:
+    the form tether's recipe and controllers pass), or one of TorchRL's forms kept for its
+    users (SPEC section 6): a sequence of N numbers, or a scalar already averaged over
+    ``n_steps`` sequences, in which case ``n_steps`` is required.
     """
     if kl_values is None:
         raise ValueError(
