@@ -25,7 +25,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tether.llm.keys import SAMPLE_LOG_PROBS
-from tether.llm._token_grid import ATTENTION_KEY, as_key
+from tether.llm._token_grid import ATTENTION_KEY, as_key, on_rows
 from tether.llm.kl_computation import KLComputation
 from tether.llm.retrieve_kl import resolve_reference
 from tether.llm.retrieve_log_prob import RetrieveLogProb
@@ -127,6 +127,9 @@ class KLRewardTransform(TensorDictModuleBase):
     coef = kl_coef  # TorchRL's keyword
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return on_rows(td, self._forward)
+
+    def _forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward or policy log-probs before running the reference.
         self.kl_computation.check_inputs(td, (self.log_prob_key,))
         return self.kl_computation(self.ref_log_prob(td))

@@ -36,6 +36,7 @@ from tether.llm._token_grid import (
     ATTENTION_KEY,
     TOKENS_KEY,
     as_key,
+    on_rows,
     place,
     target_of,
 )
@@ -123,6 +124,9 @@ class RetrieveLogProb(TensorDictModuleBase):
 
     # ------------------------------------------------------------------ forward
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return on_rows(td, self._forward)
+
+    def _forward(self, td: TensorDictBase) -> TensorDictBase:
         with torch.no_grad() if self.detach else nullcontext():
             scored = self._score(td)
         log_probs = scored.log_probs
