@@ -75,7 +75,8 @@ class KLRewardTransform(TensorDictModuleBase):
         device: device of the reference log-probs (see ``RetrieveLogProb``).
         add_to_reward: False writes only the KL and the reference log-probs.
         tokenizer: tokenizer rendering chats for the reference (default its own).
-        assistant_only: restrict the KL to the assistant mask. With False every scored
+        assistant_only: restrict the KL to the assistant mask (a tokens-mode reference, as
+            TorchRL requires, reads it from the batch). With False every scored
             token counts, so the policy's log-probs must cover every token (from a scorer;
             sampling log-probs cover the response only).
         padding_side: layout of outputs the reference scorer lays out itself.
