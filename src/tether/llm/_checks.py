@@ -40,11 +40,17 @@ def check_estimator(value: Any) -> str:
 
 
 def check_assistant_only(assistant_only: Any, input_mode: str) -> None:
-    """``assistant_only=True`` needs chats: text and token inputs carry no assistant turns."""
-    if assistant_only and input_mode != "history":
+    """``assistant_only=True`` needs chats or tokens: text inputs carry no assistant turns.
+
+    In ``"tokens"`` mode the mask is read from the batch's ``("masks", "all_assistant_mask")``,
+    where a generating wrapper or TorchRL's ``ChatEnv`` writes it next to the tokens (a batch
+    without one raises a ``KeyError`` naming it at call time).
+    """
+    if assistant_only and input_mode not in ("history", "tokens"):
         raise ValueError(
             f"assistant_only=True needs a model with input_mode='history' (the assistant mask "
-            f"comes from the chat template), got input_mode={input_mode!r}. Pass "
+            f"comes from the chat template) or 'tokens' (the mask comes from the batch's "
+            f"('masks', 'all_assistant_mask')), got input_mode={input_mode!r}. Pass "
             "assistant_only=False to score every token, or build the scorer with "
             "input_mode='history' (it scores a batch's own tokens and assistant mask when present)."
         )

@@ -8,15 +8,17 @@ else to the root; inputs are looked up there first, then at the root.
 A per-token entry is either padded (``[B, T]``, laid out like ``("masks",
 "all_attention_mask")`` of the TensorDict holding it) or a jagged nested tensor
 (``[B, j]``); rows of a lazy stack with different lengths read as the latter. ``TokenGrid`` holds either as a padded grid plus its valid mask, and knows how
-to put a grid of new values back in the same layout.
+to put a grid of new values back in the same layout. Batches of several dims built as lazy
+stacks of lazy stacks (a TorchRL rollout ``[envs, steps]``) run through ``on_rows``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 from tensordict.utils import NestedKey, unravel_key
 from torch import Tensor
 
@@ -120,3 +122,35 @@ def read_mask(scopes: tuple[TensorDictBase, ...], key: NestedKey, like: TokenGri
 
 def place(values: Tensor, device: torch.device | None) -> Tensor:
     return values if device is None else values.to(device)
+
+
+def _stored_blocks(td: TensorDictBase) -> list[TensorDictBase]:
+    """The one-batch-dim TensorDicts a lazy stack of lazy stacks holds (the stored objects)."""
+    if td.batch_dims <= 1:
+        return [td]
+    if not isinstance(td, LazyStackedTensorDict):
+        raise ValueError(
+            f"batch_size: expected a batch [B], or a lazy stack of such batches (a TorchRL rollout "
+            f"[envs, steps]), got a dense TensorDict of batch size {list(td.batch_size)}. Flatten it "
+            "first: out = module(td.reshape(-1)).reshape(td.shape)."
+        )
+    return [block for inner in td.tensordicts for block in _stored_blocks(inner)]
+
+
+def on_rows(td: TensorDictBase, step: Callable[[TensorDictBase], TensorDictBase]) -> TensorDictBase:
+    """Run ``step`` on ``td`` viewed as a batch ``[B]``; its writes reach ``td``.
+
+    A lazy stack of lazy stacks refuses ``get`` of rows with different lengths even as nested
+    tensors (one ragged level only). Its rows are the stored 0-dim TensorDicts, so a flat
+    lazy stack over them is a view: one ``step`` scores every row, and what it sets lands in
+    the original rows. Stored blocks that are dense ``[b]`` TensorDicts run one at a time.
+    """
+    if td.batch_dims <= 1:
+        return step(td)
+    blocks = _stored_blocks(td)
+    if all(isinstance(block, LazyStackedTensorDict) for block in blocks):
+        step(LazyStackedTensorDict(*[row for block in blocks for row in block.tensordicts], stack_dim=0))
+    else:
+        for block in blocks:
+            step(block)
+    return td

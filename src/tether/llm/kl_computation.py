@@ -30,6 +30,7 @@ from tether.llm._token_grid import (
     TokenGrid,
     as_key,
     find,
+    on_rows,
     read_grid,
     read_mask,
     scopes_of,
@@ -168,6 +169,9 @@ class KLComputation(TensorDictModuleBase):
             )
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return on_rows(td, self._forward)
+
+    def _forward(self, td: TensorDictBase) -> TensorDictBase:
         self.check_inputs(td)
         scopes = scopes_of(td)
         keys = (self.gen_log_probs_full_key, self.ref_log_probs_full_key)

@@ -25,7 +25,7 @@ from tensordict.nn import TensorDictModuleBase
 from tensordict.utils import NestedKey
 
 from tether.llm.keys import SAMPLE_LOG_PROBS
-from tether.llm._token_grid import ATTENTION_KEY, as_key
+from tether.llm._token_grid import ATTENTION_KEY, as_key, on_rows
 from tether.llm.kl_computation import KLComputation
 from tether.llm.retrieve_kl import resolve_reference
 from tether.llm.retrieve_log_prob import RetrieveLogProb
@@ -75,7 +75,8 @@ class KLRewardTransform(TensorDictModuleBase):
         device: device of the reference log-probs (see ``RetrieveLogProb``).
         add_to_reward: False writes only the KL and the reference log-probs.
         tokenizer: tokenizer rendering chats for the reference (default its own).
-        assistant_only: restrict the KL to the assistant mask. With False every scored
+        assistant_only: restrict the KL to the assistant mask (a tokens-mode reference, as
+            TorchRL requires, reads it from the batch). With False every scored
             token counts, so the policy's log-probs must cover every token (from a scorer;
             sampling log-probs cover the response only).
         padding_side: layout of outputs the reference scorer lays out itself.
@@ -127,6 +128,9 @@ class KLRewardTransform(TensorDictModuleBase):
     coef = kl_coef  # TorchRL's keyword
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return on_rows(td, self._forward)
+
+    def _forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward or policy log-probs before running the reference.
         self.kl_computation.check_inputs(td, (self.log_prob_key,))
         return self.kl_computation(self.ref_log_prob(td))

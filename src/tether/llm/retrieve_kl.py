@@ -27,7 +27,7 @@ from torch import nn
 
 from tether.llm.keys import REFERENCE_LOG_PROBS, SAMPLE_LOG_PROBS
 from tether.llm._checks import check_pair, check_scorer, check_tokenizers
-from tether.llm._token_grid import as_key
+from tether.llm._token_grid import as_key, on_rows
 from tether.llm.kl_computation import KLComputation
 from tether.llm.retrieve_log_prob import RetrieveLogProb
 from tether.models import TransformersWrapper
@@ -149,6 +149,9 @@ class RetrieveKL(TensorDictModuleBase):
     coeff = kl_coef  # TorchRL's keyword
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return on_rows(td, self._forward)
+
+    def _forward(self, td: TensorDictBase) -> TensorDictBase:
         # Fail on a missing reward (or missing sampling log-probs) before running a model.
         reused = () if self.gen_log_prob is not None else (self.kl_computation.gen_log_probs_full_key,)
         self.kl_computation.check_inputs(td, reused)

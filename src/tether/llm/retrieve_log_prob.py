@@ -7,8 +7,9 @@ written to the batch so that the reference scorer and ``KLComputation`` see the 
 
 Departures from TorchRL: ``detach`` is honoured (TorchRL ignored it); the assistant
 mask includes each turn's end-of-turn token; scoring is padding-free and never builds
-``[B, T, V]`` logits. As in TorchRL, ``assistant_only=True`` needs a history-mode model and
-is refused at construction otherwise.
+``[B, T, V]`` logits; ``assistant_only=True`` takes a tokens-mode model too, reading the
+batch's assistant mask (as TorchRL's LLM ``KLRewardTransform`` does; its ``RetrieveLogProb``
+refused it). A text-mode model is refused at construction, as in TorchRL.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tether.llm._token_grid import (
     ATTENTION_KEY,
     TOKENS_KEY,
     as_key,
+    on_rows,
     place,
     target_of,
 )
@@ -73,9 +75,9 @@ class RetrieveLogProb(TensorDictModuleBase):
     Keyword Args:
         log_probs_full_key: where the log-probs go; default ``(model.log_probs_key, "full")``.
         assistant_only: zero the log-probs outside ``("masks", "all_assistant_mask")``.
-            Needs ``model.input_mode == "history"`` (a ``ValueError`` at construction
-            otherwise); the mask comes from the chat template, or from the batch when it
-            already holds tokens (a ``KeyError`` at call time if it has none).
+            Needs ``model.input_mode`` ``"history"`` or ``"tokens"`` (a ``ValueError`` at
+            construction for ``"text"``); the mask comes from the chat template, or from the
+            batch when it already holds tokens (a ``KeyError`` at call time if it has none).
         tokenizer_kwargs: extra ``apply_chat_template`` arguments (template variables)
             used when chats are rendered here.
         tokenizer: tokenizer rendering the chats; default ``model.tokenizer``. Must share
@@ -123,6 +125,9 @@ class RetrieveLogProb(TensorDictModuleBase):
 
     # ------------------------------------------------------------------ forward
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        return on_rows(td, self._forward)
+
+    def _forward(self, td: TensorDictBase) -> TensorDictBase:
         with torch.no_grad() if self.detach else nullcontext():
             scored = self._score(td)
         log_probs = scored.log_probs

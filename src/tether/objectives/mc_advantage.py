@@ -136,7 +136,10 @@ class MCAdvantage(nn.Module):
         """Reading from a buffer changes nothing: the advantage was written by ``add``.
 
         Raises a ``KeyError`` when ``td`` holds no advantage: the data never went through
-        ``add`` (e.g. a TorchRL replay buffer given this module unwrapped).
+        ``add`` (e.g. a TorchRL replay buffer given this module unwrapped). A buffer wraps any
+        callable that is not a TorchRL ``Transform`` so that its write path is the identity and
+        only this method runs, on sampled steps; grouping needs the write path, and only a
+        ``Transform`` subclass (TorchRL itself) reaches it, hence the wrapper.
         """
         if td.numel() and not has_key(td, self.advantage_key):
             raise KeyError(
@@ -144,7 +147,9 @@ class MCAdvantage(nn.Module):
                 "it was never passed through add() (the write path). A TorchRL ReplayBuffer only "
                 "calls the write path of TorchRL transforms: pass transform="
                 "tether.integrations.torchrl.as_replay_buffer_transform(MCAdvantage(...)), or "
-                "call add() on complete trajectories yourself."
+                "call add() on complete trajectories yourself. With append_transform the one-line "
+                "change is rb.append_transform(as_replay_buffer_transform(MCAdvantage(...))); the "
+                "trajectories extended so far were stored without advantages, so extend them again."
             )
         return td
 

@@ -212,7 +212,8 @@ class RolloutFromModel:
 
         Returns:
             ``TensorDict`` of batch size ``[B, N]`` (time dim named ``"time"``) with
-            ``action`` ``long [B, N]``; ``sample_log_prob`` ``float [B, N, 1]`` (0 after the
+            ``action`` ``long [B, N]``; ``sample_log_prob`` ``float`` in the layout of
+            ``log_probs`` (``[B, N, 1]`` from ``generate``, ``[B, N]`` if so given; 0 after the
             end); ``step_mask`` ``bool [B, N]`` (steps up to and including ``done``);
             ``sequence`` ``long [B, N, L + N]``, the final sequence as a stride-0 view (one
             copy in memory); ``length`` / ``("next", "length")`` ``long [B, N]``, the
@@ -226,6 +227,7 @@ class RolloutFromModel:
         size, width = batch.input_ids.shape
         num_new = self.max_new_tokens
         check_generated(generated, size, width + num_new)
+        given = log_probs  # its layout, [B, N] or [B, N, 1], is the one sample_log_prob keeps
         log_probs = per_step("log_probs", log_probs, size, num_new)
         log_ratio = per_step("log_ratio", log_ratio, size, num_new)
         rindex = batch.prompt_rindex
@@ -239,7 +241,7 @@ class RolloutFromModel:
         td = TensorDict(
             {
                 "action": action,
-                "sample_log_prob": log_probs.float().masked_fill(~ends.step_mask, 0.0)[..., None],
+                "sample_log_prob": self._sample_log_prob(log_probs, given, ends.step_mask),
                 "step_mask": ends.step_mask,
                 "sequence": sequence[:, None, :].expand(size, num_new, sequence.shape[-1]),
                 "length": rindex[:, None] + torch.minimum(steps, ends.num_tokens[:, None]),
@@ -252,6 +254,16 @@ class RolloutFromModel:
             self._write_steps(td)
         self._kl_queue.append(kl.sum(-1).detach().to("cpu", torch.float64))
         return td.refine_names(..., "time")
+
+    @staticmethod
+    def _sample_log_prob(log_probs: Tensor, given: Tensor, step_mask: Tensor) -> Tensor:
+        """``log_probs [B, N]`` zeroed after the end, in the layout of ``given``.
+
+        TorchRL stores what it is given: ``generate``'s ``[B, N, 1]``, or ``[B, N]`` from a
+        caller's own scores (TorchRL's scores with ``use_max=True`` are ``[B, N]``).
+        """
+        kept = log_probs.float().masked_fill(~step_mask, 0.0)
+        return kept if given.dim() == 2 else kept[..., None]
 
     def _next_entries(self, batch: PromptBatch, sequence: Tensor, sequence_mask: Tensor, ends: EpisodeEnds,
                       kl: Tensor) -> dict[str, Tensor]:
