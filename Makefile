@@ -8,7 +8,7 @@ BENCH_VENV := .venv-bench
 BENCH_PY := $(BENCH_VENV)/bin/python
 BENCH_STAMP := $(BENCH_VENV)/.tether-bench-installed
 
-.PHONY: install train train-tools test docs bench clean gpu-wheels
+.PHONY: install train train-tools test docs bench torchrl-env clean gpu-wheels
 
 install: $(STAMP)
 
@@ -58,6 +58,9 @@ test: install
 
 docs: install
 	$(VENV)/bin/mkdocs build --strict
+
+# tether beside TorchRL 0.14.1 (and TRL) for the TorchRL integrations: .venv-bench.
+torchrl-env: $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py; do \

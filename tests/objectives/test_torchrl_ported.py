@@ -3,8 +3,8 @@ TestMCAdvantage::test_mc_advantage``) on tether's API.
 
 TorchRL's buffer wraps any callable that is not a TorchRL ``Transform`` so that its write
 path is the identity and only its forward runs, on sampled data. ``MCAdvantage`` groups on
-the write path, and tether does not subclass TorchRL's ``Transform`` (TorchRL stays an
-optional extra), so the unwrapped module cannot be a drop-in: its forward refuses the raw
+the write path, and tether does not subclass TorchRL's ``Transform`` (TorchRL stays out of
+tether's environment), so the unwrapped module cannot be a drop-in: its forward refuses the raw
 steps, naming the wrapper and the one-line change. The wrapper's write path is ``add``.
 """
 

@@ -1,7 +1,8 @@
 """tether.integrations.torchrl: the seed's Pendulum-v1 example inside a TorchRL TransformedEnv.
 
-TorchRL is an optional extra: these tests skip without it, except the one that checks the
-ImportError a user gets when it is missing.
+TorchRL lives in an environment of its own (``make torchrl-env``): these tests skip without it,
+except the ones that check the ImportError a user gets when it is missing and that no extra of
+the main environment would install it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,23 @@ def test_missing_torchrl_gives_an_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchrl.data.tensor_specs", None)
     monkeypatch.setitem(sys.modules, "torchrl.envs.transforms.transforms", None)
     transform = KLRewardTransform(make_actor("gaussian"))
-    with pytest.raises(ImportError, match=r"pip install"):
+    with pytest.raises(ImportError, match=r"pins tensordict 0\.14.*`make torchrl-env` builds \.venv-bench"):
         bridge.as_env_transform(transform)
     bridge._env_transform_class.cache_clear()
+
+
+def test_no_extra_of_the_main_environment_installs_torchrl():
+    """TorchRL 0.14.1 (the newest on the registry) pins tensordict 0.14, so an extra that pulled it
+    into the main environment would move tensordict 0.15 back (#27 item 4). Only the bench extra,
+    which `make torchrl-env` / `make bench` install into .venv-bench, may name it."""
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pulls = sorted(name for name, reqs in extras.items() if any(r.lower().startswith("torchrl") for r in reqs))
+    assert pulls == ["bench"]
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    assert "torchrl-env: $(BENCH_STAMP)" in makefile and 'pip install -q -e ".[test,bench,peft]"' in makefile
 
 
 def test_as_env_transform_refuses_other_objects():

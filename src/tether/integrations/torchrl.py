@@ -1,4 +1,4 @@
-"""Use tether transforms inside TorchRL environments and replay buffers (optional extra: ``pip install "tether[torchrl]"``).
+"""Use tether transforms inside TorchRL environments and replay buffers (TorchRL lives apart: ``make torchrl-env``).
 
 ``as_replay_buffer_transform(MCAdvantage(...))`` returns a TorchRL ``Transform`` for a
 ``ReplayBuffer``: a buffer runs a transform's inverse on ``add`` / ``extend`` (where
@@ -30,8 +30,10 @@ from tensordict import TensorDictBase
 __all__ = ["as_env_transform", "as_replay_buffer_transform"]
 
 _INSTALL_HINT = (
-    "tether.integrations.torchrl needs TorchRL, which is an optional extra; install it with "
-    "`pip install \"tether[torchrl]\"` (or `pip install torchrl`)."
+    "tether.integrations.torchrl needs TorchRL, which tether does not install: TorchRL 0.14 pins "
+    "tensordict 0.14, older than tether's own environment's. Run it in an environment of its own: "
+    "`make torchrl-env` builds .venv-bench (tether, TorchRL 0.14.1 and TRL), or `pip install torchrl` "
+    "in a fresh venv next to `pip install -e .`."
 )
 
 

@@ -1,4 +1,4 @@
-"""tether's LLM KL transforms inside TorchRL's ``ChatEnv`` (optional extra: ``pip install torchrl``).
+"""tether's LLM KL transforms inside TorchRL's ``ChatEnv`` (TorchRL in its own environment: ``make torchrl-env``).
 
 ``as_chat_env_transform(t)`` wraps a ``tether.llm.KLRewardTransform`` or ``tether.llm.RetrieveKL``
 as a TorchRL ``Transform`` for ``TransformedEnv(ChatEnv(...), ...)``. At every step it turns
