@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from tether.models.sampling import sample_responses
+from tether.models.sampling import draw_categorical, invert_cdf, sample_responses
 from tests.helpers import make_tiny_model, make_tokenizer
 
 
@@ -220,3 +221,71 @@ def test_past_must_match_the_rows():
     with pytest.raises(ValueError, match=r"past: expected one RowCache or None per row \(2\), got 1"):
         sample_responses(make_tiny_model(tok), ids, mask, max_new_tokens=2, eos_ids={tok.eos_token_id},
                          pad_id=tok.pad_token_id, past=[None])
+
+
+def _naive_inversion(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """First index whose float64 cumulative mass exceeds ``u * total``, one row at a time."""
+    out = []
+    for row, point in zip(probs.double(), u.double()):
+        cdf = row.cumsum(0)
+        out.append(int((cdf > point * cdf[-1]).nonzero()[0]))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_invert_cdf_equals_the_naive_inversion_and_never_picks_a_zero(vocab):
+    """Random rows with a third of their entries 0 (and whole zero blocks when the vocabulary
+    spans several): at 500 random points the two-level inversion picks what a plain float64
+    cumulative sum picks; at u = 0 it picks each row's first entry with mass and at the largest
+    float64 below 1 its last one (rounding must not land on a zero past it)."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 4
+    probs = torch.rand(rows, vocab, generator=gen)
+    probs[torch.rand(rows, vocab, generator=gen) < 1 / 3] = 0.0
+    if vocab > 512:
+        probs[:, 256:512] = 0.0  # a block without mass
+    probs[:, -3:] = 0.0  # rows end in zeros
+    probs[0, :-3] = 0.0
+    probs[0, vocab // 2] = 1.0  # a row with one entry
+    u = torch.rand(500, rows, dtype=torch.float64, generator=gen)
+    for point in u:
+        assert torch.equal(invert_cdf(probs, point), _naive_inversion(probs, point))
+    nonzero = [row.nonzero().squeeze(-1) for row in probs]
+    first = torch.tensor([int(n[0]) for n in nonzero])
+    last = torch.tensor([int(n[-1]) for n in nonzero])
+    assert torch.equal(invert_cdf(probs, torch.zeros(rows, dtype=torch.float64)), first)
+    assert torch.equal(invert_cdf(probs, torch.full((rows,), 1 - 2.0**-53, dtype=torch.float64)), last)
+
+
+def test_invert_cdf_holds_rounding_at_a_rows_end_back_to_its_last_entry_with_mass():
+    """At the largest float64 below 1, a row's point can round past the in-block cumulative sum
+    (block masses and in-block sums are added in other orders): on 64 rows of uneven masses
+    ending in zeros (about a quarter of them round so here) the pick is still each row's last
+    entry with mass, never a zero after it."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(64, 768, generator=gen) ** 8
+    probs[:, -6], probs[:, -5:] = 0.5, 0.0  # the last entry with mass holds far more than 2^-53 of the row
+    picks = invert_cdf(probs, torch.full((64,), 1 - 2.0**-53, dtype=torch.float64))
+    assert torch.equal(picks, torch.full((64,), 768 - 6))
+
+
+def test_invert_cdf_on_a_grid_of_points_gives_the_exact_law():
+    """N evenly spaced points (i + 0.5) / N pick entry j exactly round(p_j N) times, give or take
+    one at each of its two ends: the inversion spends mass p_j on entry j, with no bias, for a
+    row of small and large probabilities across several blocks."""
+    vocab, n = 700, 100_000
+    probs = torch.zeros(1, vocab)
+    probs[0, [0, 5, 255, 256, 300, 511, 699]] = torch.tensor([0.25, 0.125, 0.0625, 0.3, 0.01, 0.2, 0.0525])
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    picks = invert_cdf(probs.expand(n, vocab), u)
+    counts = torch.bincount(picks, minlength=vocab).double()
+    assert torch.all((counts - probs[0].double() * n).abs() <= 1)
+
+
+def test_draw_categorical_inverts_one_uniform_per_row():
+    """The draw is ``invert_cdf`` at ``torch.rand(b, float64)`` from the same generator: a seed
+    gives the same tokens on every rank that draws the gathered batch (``SharedDraw``)."""
+    probs = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(0)), -1)
+    drawn = draw_categorical(probs, torch.Generator().manual_seed(3))
+    u = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(drawn, invert_cdf(probs, u))

@@ -10,7 +10,7 @@ refuses to start without one instead of silently training on the CPU.
 layer plus the root. Rank r takes a contiguous block of the step's prompts with all their
 answers (``Ranks.share``); losses divide by whole-batch denominators (``Ranks.total``) and
 gradients are summed, so the run equals one process. ``SharedDraw`` draws every rank's tokens
-with the very ``multinomial`` call one process makes. ``Ranks.unsharded()`` gathers the weights
+with the very ``draw_categorical`` call one process makes. ``Ranks.unsharded()`` gathers the weights
 once for the no-grad passes (``tether.train.recipe_sharded``), so no collective depends on data.
 Rationale: docs/design.md.
 """
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from tether._compat import forget_forward_order
 from tether.models.records import HeadHidden
 from tether.models.reference import AdapterDisabledReference
+from tether.models.sampling import draw_categorical
 from tether.ops.checks import lookup, problems, whole_number
 
 
@@ -220,7 +221,7 @@ class SharedDraw:
 
     def tokens(self, probs: Tensor, generator: torch.Generator | None) -> Tensor:
         parts = self.ranks.parts(probs)
-        drawn = torch.multinomial(torch.cat(parts), 1, generator=generator).squeeze(-1)
+        drawn = draw_categorical(torch.cat(parts), generator)
         start = sum(part.shape[0] for part in parts[: self.ranks.rank])
         return drawn[start : start + probs.shape[0]]
 
