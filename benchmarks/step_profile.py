@@ -7,7 +7,9 @@ floating-point operations are counted (``torch.utils.flop_counter.FlopCounterMod
 per-op overhead would distort a timing); both sample fresh answers of the same config, so their
 work differs only by the answers' lengths. The ceiling is a float32 matrix product of the
 model's own shapes timed in the same process: a stage's GFLOP/s over it is the share of the
-machine it uses (issue 29's goal: the step at >= 50 % of it).
+machine it uses (issue 29's goal: the step at >= 50 % of it). ``--ops`` profiles a third step
+op by op (``torch.profiler``, per stage): how much of each stage is matrix products and
+attention, at what rate, and which other ops take the rest (its floor and the cause of the gap).
 
     python benchmarks/step_profile.py                 # the default step, embedded model
     python benchmarks/step_profile.py --model tiny --steps-json runs/profile.json
@@ -33,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="how long the matmul ceiling is timed")
     p.add_argument("--steps-json", default=None, help="write the table as JSON here")
+    p.add_argument("--ops", action="store_true", help="also profile a third step op by op, per stage")
     return p.parse_args(argv)
 
 
@@ -103,6 +106,57 @@ def profile_step(run, recipe, step: int) -> tuple[dict[str, float], dict[str, fl
     return seconds, flops
 
 
+# The kernels of matrix products and attention: what the FLOP count counts.
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def profile_ops(run, recipe, step: int) -> dict[str, dict]:
+    """Per stage of step ``step``: the self time of the matmul kernels and of every other op, from
+    one ``torch.profiler`` run per stage call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    found: dict[str, dict] = {}
+
+    def profiled(name, fn):
+        def inner(*a, **k):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = fn(*a, **k)
+            stage = found.setdefault(name, {"matmul": 0.0, "other": {}})
+            for event in prof.key_averages():
+                seconds = event.self_cpu_time_total / 1e6
+                if event.key in MATMUL_OPS:
+                    stage["matmul"] += seconds
+                else:
+                    stage["other"][event.key] = stage["other"].get(event.key, 0.0) + seconds
+            return out
+        return inner
+
+    originals = staged(recipe, profiled)
+    try:
+        recipe.train_step(run, step, recipe.sample)
+    finally:
+        staged(recipe, lambda name, _: originals[name])
+    return found
+
+
+def print_ops(found: dict[str, dict], flops: dict[str, float]) -> None:
+    """The op table. An op's time is the span of its call on the thread that made it (its threads
+    run inside that span), so the columns add up to about the stage's wall time."""
+    print("\n| stage | matmul s | their GFLOP/s | other ops s | largest other ops (s) |")
+    print("|---|---|---|---|---|")
+    for name in STAGES:
+        if name not in found:
+            continue
+        stage = found[name]
+        other = sum(stage["other"].values())
+        top = sorted(stage["other"].items(), key=lambda kv: -kv[1])[:5]
+        rate = flops.get(name, 0.0) / stage["matmul"] if stage["matmul"] else 0.0
+        names = ", ".join(f"{k.removeprefix('aten::')} {v:.2f}" for k, v in top)
+        print(f"| {name} | {stage['matmul']:.2f} | {rate:.0f} | {other:.2f} | {names} |")
+
+
 def main(argv=None) -> dict:
     import torch
 
@@ -130,6 +184,10 @@ def main(argv=None) -> dict:
         table.append({"stage": name, "seconds": s, "gflop": f, "gflop_per_s": rate, "of_ceiling": rate / ceiling})
         print(f"| {name} | {s:.2f} | {f:.1f} | {rate:.0f} | {100 * rate / ceiling:.0f} % |")
     report = {"model": args.model, "threads": args.threads, "ceiling_gflop_per_s": ceiling, "stages": table}
+    if args.ops:
+        found = profile_ops(run, recipe, 3)
+        print_ops(found, flops)
+        report["ops"] = found
     if args.steps_json:
         with open(args.steps_json, "w") as fh:
             json.dump(report, fh, indent=1)
