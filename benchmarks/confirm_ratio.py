@@ -22,7 +22,7 @@ import random
 import torch
 
 from tether.train.config import TrainConfig
-from tether.train.recipe import add_advantages, add_reference, optimize, sample, score_rewards, step_problems
+from tether.train.recipe import add_advantages, add_reference, optimize, sample, add_rewards, step_problems
 from tether.train.run import build_run
 from tether.train.updates import CONFIRM_EVERY, answer_kl, confirm_rows
 
@@ -51,7 +51,7 @@ def main() -> None:
     for step in range(args.steps):
         problems = step_problems(run, step)
         record = sample(run, problems, step)
-        score_rewards(run, record, problems, step)
+        add_rewards(run, record, problems, step)
         add_reference(run, record)
         add_advantages(run, record)
         optimize(run, record, step)

@@ -228,7 +228,7 @@ def setup_tether(work: dict, info_path: str):
     # train_step looks the stages up in the module at call time (the rollout is its argument),
     # so wrapping them times each phase.
     sample = clock.wrap("sampling", recipe.sample)
-    recipe.score_rewards = clock.wrap("rewards", recipe.score_rewards)
+    recipe.add_rewards = clock.wrap("rewards", recipe.add_rewards)
     recipe.add_reference = clock.wrap("reference", recipe.add_reference)
     recipe.accumulate_gradients = clock.wrap("loss", recipe.accumulate_gradients)
     counter = itertools.count()

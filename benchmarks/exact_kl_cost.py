@@ -27,7 +27,7 @@ import torch
 
 from tether.models.scoring import exact_kl_tokens
 from tether.train.config import TrainConfig
-from tether.train.recipe import accumulate_gradients, add_advantages, add_reference, sample, score_rewards, step_problems
+from tether.train.recipe import accumulate_gradients, add_advantages, add_reference, sample, add_rewards, step_problems
 from tether.train.updates import answer_kl
 from tether.train.run import build_run
 
@@ -40,7 +40,7 @@ def main() -> None:
     run = build_run(TrainConfig(threads=args.threads, out="runs/exact_kl_cost", eval_size=0))
     problems = step_problems(run, 0)
     record = sample(run, problems, 0)
-    score_rewards(run, record, problems, 0)
+    add_rewards(run, record, problems, 0)
     add_reference(run, record)
     add_advantages(run, record)
     plain = dataclasses.replace(record, ref_hidden=None)

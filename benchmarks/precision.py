@@ -36,7 +36,7 @@ def setup(dtype: str, checkpointing: bool, lora_rank: int, prompts: int, group: 
 
     from tether.train.config import TrainConfig
     from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample,
-                                     score_rewards, step_problems)
+                                     add_rewards, step_problems)
 
     folder = tempfile.TemporaryDirectory()
     cfg = TrainConfig(out=folder.name, dtype=dtype, gradient_checkpointing=checkpointing, lora_rank=lora_rank,
@@ -46,7 +46,7 @@ def setup(dtype: str, checkpointing: bool, lora_rank: int, prompts: int, group: 
     run.sampler.eos_ids = {-1}  # no token id matches: every answer runs to max_new_tokens
     problems = step_problems(run, 0)
     batch = sample(run, problems, 0)
-    score_rewards(run, batch, problems, 0)
+    add_rewards(run, batch, problems, 0)
     add_reference(run, batch)
     add_advantages(run, batch)
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-STAGES = ("sample", "score_rewards", "add_reference", "add_advantages", "accumulate_gradients", "hold_kl_budget")
+STAGES = ("sample", "add_rewards", "add_reference", "add_advantages", "accumulate_gradients", "hold_kl_budget")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

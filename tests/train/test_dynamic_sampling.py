@@ -12,7 +12,7 @@ from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.models.records import HeadHidden, StepRecord, group_ids
 from tether.train.config import TrainConfig
 from tether.train.recipe import build_run, step_problems, train
-from tether.train.rewards import Scores, informative, keep_informative, resampled_problems
+from tether.train.rewards import Rewards, informative, keep_informative, resampled_problems
 
 
 def test_informative_groups_by_hand():
@@ -75,7 +75,7 @@ def _scripted_draws(rewards_per_draw: list[list[float]], seen: list):
         seen.append(problems)
         record = _record(4 + k, len(problems), float(k))
         total = torch.tensor(rewards_per_draw[k])
-        return record, Scores(total, None, {"r": total.clone()})
+        return record, Rewards(total, None, {"r": total.clone()})
     return draw
 
 

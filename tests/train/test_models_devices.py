@@ -15,7 +15,7 @@ import torch
 from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.train import recipe
-from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample, score_rewards,
+from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample, add_rewards,
                                  step_problems, train)
 from tether.train.run import build_models, load_base
 from tether.train.sharding import resolve_device
@@ -113,7 +113,7 @@ def test_an_adapter_with_full_fine_tuning_is_refused(tmp_path):
 # ------------------------------------------------------------------ --dtype, --gradient-checkpointing
 def _stages(run, record):
     """The reward, reference and advantage stages of step 0 on ``record`` (filled in place)."""
-    score_rewards(run, record, step_problems(run, 0), 0)
+    add_rewards(run, record, step_problems(run, 0), 0)
     add_reference(run, record)
     add_advantages(run, record)
 

@@ -20,7 +20,7 @@ from tether.train.config import TrainConfig
 from tether.train.metrics import PLOTTED, curve_data, plot_metrics, plotted_panels
 from tether.train import recipe
 from tether.train.recipe import (RewardError, accumulate_gradients, add_advantages, add_reference, build_run, sample,
-                                 score_rewards, step_problems, train)
+                                 add_rewards, step_problems, train)
 
 HERE = Path(__file__).parent
 COUNT_TASK = str(HERE / "count_task.py")
@@ -32,7 +32,7 @@ def prepared(run, step: int = 0, rollout=sample):
     loss reads), with the reward scores."""
     problems = step_problems(run, step)
     record = rollout(run, problems, step)
-    scores = score_rewards(run, record, problems, step)
+    scores = add_rewards(run, record, problems, step)
     add_reference(run, record)
     add_advantages(run, record)
     return record, scores

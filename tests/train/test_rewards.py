@@ -16,7 +16,7 @@ from tests.train.test_data import ROWS, write_jsonl
 from tests.train.test_recipe import tiny_cfg
 from tether.models import SequenceRewardModel
 from tether.train.cli import main
-from tether.train.recipe import RewardError, build_run, sample, score_rewards, step_problems, train
+from tether.train.recipe import RewardError, build_run, sample, add_rewards, step_problems, train
 from tether.train.rewards import (FunctionReward, RewardFunction, RewardModelFunction, Samples, load_reward_funcs,
                                   parse_weights)
 from tether.train.tasks import Problem
@@ -279,7 +279,7 @@ def test_logged_rewards_are_the_functions_values(tmp_path):
     run = build_run(run_cfg(tmp_path, reward_weights="1,3"))
     problems = step_problems(run, 0)
     record = sample(run, problems, 0)
-    out = score_rewards(run, record, problems, 0)
+    out = add_rewards(run, record, problems, 0)
     completions = record.responses
     odd = torch.tensor([sum(ord(ch) % 2 for ch in c) / max(len(c), 1) for c in completions], dtype=torch.float64)
     level = torch.tensor([0.5 * p.columns["level"] for p in problems], dtype=torch.float64)
@@ -301,7 +301,7 @@ def test_reward_funcs_replace_a_tasks_reward_and_keep_its_accuracy(tmp_path):
     run = build_run(tiny_cfg(tmp_path / "run", task="arithmetic", reward_funcs=str(tmp_path / "r.py")))
     problems = step_problems(run, 0)
     record = sample(run, problems, 0)
-    out = score_rewards(run, record, problems, 0)
+    out = add_rewards(run, record, problems, 0)
     completions = record.responses
     assert out.total.tolist() == [float(p.answer in c) for c, p in zip(completions, problems)]
     assert out.correct is not None and out.correct.shape == (len(problems),)

@@ -368,10 +368,10 @@ def evaluate(
         td = rollout(prompt_batch(chunk, prompt_format))
         if tool_rollout is not None:
             episodes.append(episode_stats(td))
-        scores = reward(samples_from_batch(td, chunk), where="held-out evaluation")
-        totals.append(scores.total)
-        correct.append(scores.correct)
-        per_function.append(scores.per_function)
+        rewards = reward(samples_from_batch(td, chunk), where="held-out evaluation")
+        totals.append(rewards.total)
+        correct.append(rewards.correct)
+        per_function.append(rewards.per_function)
         response = td["masks", "all_assistant_mask"]
         tokens_total += int(response.sum())
         if with_kl and reference is not None:

@@ -26,7 +26,7 @@ from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, eff
                         gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices)
 from tether.train.config import TrainConfig
 from tether.train.metrics import log_completions
-from tether.train.rewards import RewardError, Samples, Scores, keep_informative, with_checkpoints
+from tether.train.rewards import RewardError, Samples, Rewards, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
 from tether.train.tasks import Problem, tool_metrics, tool_rollout
 from tether.train.updates import (Update, check_finite_update, has_exact_kl, hold_kl_budget, measure_kl, minibatch_bounds,
@@ -54,15 +54,15 @@ def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
     return run.sampler.sample_record([p.prompt(run.cfg.prompt_format) for p in problems], groups)
 
 
-def score_rewards(run: Run, record: StepRecord, problems: list[Problem], step: int) -> Scores:
+def add_rewards(run: Run, record: StepRecord, problems: list[Problem], step: int) -> Rewards:
     """Reward: ``record.rewards`` ``[B]``; a failing reward function names its sample."""
     answers = [row[m].tolist() for row, m in zip(record.tokens, record.assistant_mask)]
     try:
-        scores = run.reward(Samples(problems, record.responses, answers), where=f"step {step + 1}")
+        rewards = run.reward(Samples(problems, record.responses, answers), where=f"step {step + 1}")
     except RewardError as exc:
         raise with_checkpoints(exc, run.dir) from exc
-    record.rewards = scores.total
-    return scores
+    record.rewards = rewards.total
+    return rewards
 
 
 @torch.no_grad()
@@ -175,11 +175,11 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     """One step, every stage in order; returns its line of metrics."""
     cfg, ranks, start = run.cfg, run.ranks, time.perf_counter()
 
-    def draw(problems: list[Problem]) -> tuple[StepRecord, Scores]:  # rollout, then reward
+    def draw(problems: list[Problem]) -> tuple[StepRecord, Rewards]:  # rollout, then reward
         record = rollout(run, problems, step)
-        return record, score_rewards(run, record, problems, step)
+        return record, add_rewards(run, record, problems, step)
 
-    problems, record, scores, drawn = keep_informative(run, step, draw, step_problems(run, step))
+    problems, record, rewards, drawn = keep_informative(run, step, draw, step_problems(run, step))
     add_reference(run, record)
     sampled_kl = ranks.rows(record.sequence_log_ratio())  # every rank's answers
     if cfg.kl_control_signal == "sampled" and run.line is None:  # beta for this update, from this batch's KL
@@ -196,12 +196,12 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         run.ref_updater.step(step + 1)
     if ranks.writer:  # this rank's rows
         log_completions(run, step + 1, [p.chat[-1]["content"] for p in problems], record.responses, record.rewards,
-                        scores.correct)
-    scores, out, elapsed = ranks.all_rows(scores), update.output, time.perf_counter() - start
+                        rewards.correct)
+    rewards, out, elapsed = ranks.all_rows(rewards), update.output, time.perf_counter() - start
     return {
-        "step": step + 1, "reward_mean": float(scores.total.mean()), "reward_std": float(scores.total.std()),
-        **({} if scores.correct is None else {"accuracy": float(scores.correct.mean())}),
-        **{f"reward/{name}": float(v.nanmean()) for name, v in scores.per_function.items()},
+        "step": step + 1, "reward_mean": float(rewards.total.mean()), "reward_std": float(rewards.total.std()),
+        **({} if rewards.correct is None else {"accuracy": float(rewards.correct.mean())}),
+        **{f"reward/{name}": float(v.nanmean()) for name, v in rewards.per_function.items()},
         **kl.metrics(cfg.kl_bound), "kl_coef": kl_coef, **move, **drawn,
         "clip_fraction": float(out.clip_fraction), "ess": float(out.ESS), "entropy": float(out.entropy),
         "response_length": float(update.terms.mask.sum(-1).float().mean()), "grad_norm": update.grad_norm, "lr": lr,

@@ -57,7 +57,7 @@ class Samples:
 
 
 @dataclass
-class Scores:
+class Rewards:
     """Attributes: ``total`` float32 ``[B]`` (the reward the advantages use); ``correct`` float32 ``[B]``
     or None when the task defines no correctness; ``per_function`` float32 ``[B]`` per function, NaN
     where it returned None."""
@@ -67,13 +67,13 @@ class Scores:
     per_function: dict[str, torch.Tensor]
 
     @classmethod
-    def cat(cls, parts: list["Scores"]) -> "Scores":
+    def cat(cls, parts: list["Rewards"]) -> "Rewards":
         correct = None if parts[0].correct is None else torch.cat([p.correct for p in parts])
         return cls(torch.cat([p.total for p in parts]), correct,
                    {k: torch.cat([p.per_function[k] for p in parts]) for k in parts[0].per_function})
 
-    def take(self, index: torch.Tensor) -> "Scores":
-        return Scores(self.total[index], None if self.correct is None else self.correct[index],
+    def take(self, index: torch.Tensor) -> "Rewards":
+        return Rewards(self.total[index], None if self.correct is None else self.correct[index],
                       {k: v[index] for k, v in self.per_function.items()})
 
 
@@ -101,7 +101,7 @@ class TaskReward:
     def __init__(self, task: Task) -> None:
         self.task = task
 
-    def __call__(self, samples: Samples, where: str) -> Scores:
+    def __call__(self, samples: Samples, where: str) -> Rewards:
         task, rewards = self.task, []
         for i, (answer, problem) in enumerate(zip(samples.completions, samples.problems)):
             try:
@@ -114,7 +114,7 @@ class TaskReward:
                 raise RewardError(f"task {task.name!r}: reward returned {value} at {where}, "
                                   f"{_sample_text(samples, i)}; rewards must be finite.")
             rewards.append(value)
-        return Scores(torch.tensor(rewards, dtype=torch.float32), _correct(task, samples), {})
+        return Rewards(torch.tensor(rewards, dtype=torch.float32), _correct(task, samples), {})
 
 
 class FunctionReward:
@@ -133,7 +133,7 @@ class FunctionReward:
                 "completions": [[{"role": "assistant", "content": c}] if chat else c for c in samples.completions],
                 "completion_ids": samples.completion_ids, **columns}
 
-    def __call__(self, samples: Samples, where: str) -> Scores:
+    def __call__(self, samples: Samples, where: str) -> Rewards:
         inputs, n = self._inputs(samples), len(samples.completions)
         outputs = [_call(func, inputs, n, samples, where) for func in self.functions]  # values or coroutines
         pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
@@ -152,7 +152,7 @@ class FunctionReward:
                               f"for {_sample_text(samples, none[0])} at {where}; at least one must apply to "
                               "each sample. Make one of them return a number for it.")
         total = (table * torch.tensor(self.weights, dtype=torch.float64)).nansum(dim=1)
-        return Scores(total.float(), _correct(self.task, samples), {k: v.float() for k, v in per_function.items()})
+        return Rewards(total.float(), _correct(self.task, samples), {k: v.float() for k, v in per_function.items()})
 
 
 def _check_no_clash(columns: list[str]) -> None:
@@ -352,7 +352,7 @@ def samples_from_batch(batch: Any, problems: list[Problem]) -> Samples:
 
 
 # ------------------------------------------------------------------ dynamic sampling
-Draw = Callable[[list[Problem]], tuple[StepRecord, Scores]]
+Draw = Callable[[list[Problem]], tuple[StepRecord, Rewards]]
 
 
 def informative(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -372,29 +372,29 @@ def resampled_problems(run: Any, step: int, draw: int) -> list[Problem]:
 
 
 def keep_informative(run: Any, step: int, draw: Draw, problems: list[Problem]
-                     ) -> tuple[list[Problem], StepRecord, Scores, dict[str, float]]:
+                     ) -> tuple[list[Problem], StepRecord, Rewards, dict[str, float]]:
     """Sample and score ``problems``; with ``dynamic_sampling``, draw again (every rank as long as any
     rank lacks groups, at most ``max_resample`` times) and keep as many groups as ``problems`` held:
     those whose rewards differ first, in draw order, then equal-reward ones. Metrics: groups drawn
     and groups with differing rewards kept, summed over ranks."""
-    record, scores = draw(problems)
+    record, rewards = draw(problems)
     cfg, size = run.cfg, run.cfg.group_size
     if not cfg.dynamic_sampling:
-        return problems, record, scores, {}
-    pool, parts = list(problems), [(record, scores)]
-    wanted, found = len(problems) // size, int(informative(scores.total, size).sum())
+        return problems, record, rewards, {}
+    pool, parts = list(problems), [(record, rewards)]
+    wanted, found = len(problems) // size, int(informative(rewards.total, size).sum())
     while len(parts) <= cfg.max_resample and int(run.ranks.total(torch.tensor(max(wanted - found, 0)))) > 0:
         extra = resampled_problems(run, step, len(parts))
         parts.append(draw(extra))
         pool += extra
         found += int(informative(parts[-1][1].total, size).sum())
-    scores = Scores.cat([s for _, s in parts])
-    useful = informative(scores.total, size)
+    rewards = Rewards.cat([s for _, s in parts])
+    useful = informative(rewards.total, size)
     groups = torch.cat([useful.nonzero()[:, 0], (~useful).nonzero()[:, 0]])[:wanted]
     rows = (groups[:, None] * size + torch.arange(size)).flatten()
     record = StepRecord.cat([r for r, _ in parts]).take(rows)
     record.group_ids = group_ids(len(rows), size)
     kept = int(useful[groups].sum())
     totals = run.ranks.total(torch.tensor([float(len(pool) // size), float(kept)]))
-    return [pool[i] for i in rows.tolist()], record, scores.take(rows), {
+    return [pool[i] for i in rows.tolist()], record, rewards.take(rows), {
         "groups_drawn": float(totals[0]), "groups_kept": float(totals[1])}
