@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default", help="the config's model (default: the embedded one)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", help="the config's dtype (bfloat16 runs the products in bf16)")
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="how long the matmul ceiling is timed")
     p.add_argument("--steps-json", default=None, help="write the table as JSON here")
     p.add_argument("--ops", action="store_true", help="also profile a third step op by op, per stage")
@@ -166,7 +167,7 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     out = tempfile.mkdtemp(prefix="tether-step-profile-")
-    cfg = TrainConfig(model=args.model, threads=args.threads, eval_size=0, out=out).validate()
+    cfg = TrainConfig(model=args.model, threads=args.threads, eval_size=0, dtype=args.dtype, out=out).validate()
     run = recipe.build_run(cfg)
     kept: list = []
     recipe.train_step(run, 0, lambda *a: kept.append(recipe.sample(*a)) or kept[-1])  # warm-up
@@ -175,7 +176,7 @@ def main(argv=None) -> dict:
     rows = int(kept[0].attention_mask.sum())  # the step's tokens: the rows of its matrix products
     ceiling = matmul_ceiling(rows, hidden, 3 * hidden, args.ceiling_seconds)
     table = []
-    print(f"one default step ({args.model}, {args.threads} threads): matmul ceiling "
+    print(f"one default step ({args.model}, {args.dtype}, {args.threads} threads): float32 matmul ceiling "
           f"{ceiling:.0f} GFLOP/s ([{rows}, {hidden}] @ [{hidden}, {3 * hidden}] float32)\n")
     print("| stage | seconds | GFLOP | GFLOP/s | of the ceiling |\n|---|---|---|---|---|")
     for name in (*STAGES, "rest", "step"):
