@@ -62,8 +62,13 @@ docs: install
 # tether beside TorchRL 0.14.1 (and TRL) for the TorchRL integrations: .venv-bench.
 torchrl-env: $(BENCH_STAMP)
 
+# llama.cpp for benchmarks/sampling.py, built from its source distribution (a few minutes, once: pip
+# keeps the wheel it builds) into .venv-bench only.
+LLAMA_CPP := llama-cpp-python==0.3.36
+
 bench: $(BENCH_STAMP)
-	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py; do \
+	$(BENCH_PY) -c "import llama_cpp" 2>/dev/null || $(BENCH_PY) -m pip install -q $(LLAMA_CPP)
+	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py benchmarks/sampling.py; do \
 		test -f $$script && $(BENCH_PY) $$script || exit 1; \
 	done
 

@@ -13,7 +13,7 @@ timing and memory code serves both). One untimed warm-up step, then the median o
 The same for both: the problems (tether's task stream for ``seed`` 0 with its held-out set
 removed, the same order; TRL reads them unshuffled from an in-memory ``datasets.Dataset``
 of chats), group size, completion limit, temperature 1, learning rate, KL coefficient
-(``beta``) with a k3 estimator times the importance ratio, clip epsilon 0.2, token-mean
+(``beta``, constant) with a k3 estimator times the importance ratio, clip epsilon 0.2, token-mean
 loss over the whole step (TRL's ``dapo``), z-scored group advantages, no entropy bonus,
 gradient-norm clip 1.0, AdamW without weight decay at a constant rate, one optimizer step
 per generation round (``per_device_train_batch_size`` x ``gradient_accumulation_steps`` =
@@ -126,6 +126,9 @@ def train_config(work: dict, out: str = "runs/bench-e2e"):
         "threads": work["threads"],
         "steps": work["steps"],
         "out": out,
+        # TRL's beta is constant: the default budget leash's readings of the updated weights
+        # (tether's own work, measured in docs/leash.md) would be timed against nothing.
+        "kl_controller": "constant",
     }
     if not work["lora"]:
         values["lora_rank"] = 0
