@@ -3,7 +3,9 @@
 tether samples with its own decode loop over the model's KV cache instead of ``model.generate``:
 each sampled token's log-prob is read from the very distribution it was drawn from,
 ``softmax(logits / temperature)`` in float32, so sampling and training log-probs agree to
-float precision. Top-k / top-p truncate what is sampled, not what is recorded. Finished rows
+float precision. Top-k / top-p truncate what is sampled, not what is recorded. A token is drawn
+by inverting its row's cumulative distribution at one uniform (``draw_categorical``): the law of
+``torch.multinomial`` without its exponential per vocabulary entry. Finished rows
 leave the batch and its cache at once; a prompt repeated ``G`` times is prefilled once. The
 only host syncs are the finished-row checks. On a GPU the step runs over static buffers as a
 replayed CUDA graph (``tether.models.static_decode``). ``past`` continues rows from an earlier call's

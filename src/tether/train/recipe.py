@@ -26,7 +26,7 @@ from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, eff
                         gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices)
 from tether.train.config import TrainConfig
 from tether.train.metrics import log_completions
-from tether.train.rewards import RewardError, Samples, Rewards, keep_informative, with_checkpoints
+from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
 from tether.train.tasks import Problem, tool_metrics, tool_rollout
 from tether.train.updates import (Update, check_finite_update, has_exact_kl, hold_kl_budget, measure_kl, minibatch_bounds,
