@@ -115,7 +115,7 @@ def test_a_restarted_service_gets_the_moved_reference_again(lora_pool, monkeypat
     the moved reference again before any scoring. Killed mid-step (after the sync, before the
     workers ask): the new instance scores the step with the factory's weights, the pool sees the
     stale version in the replies, pushes again and rescores. Both steps complete with reference
-    log-probs of the moved reference (KL to the policy 0 within 1e-5), far from the factory's."""
+    log-probs of the moved reference (KL to the policy 0 within float32 rounding, 1e-4), far from the factory's."""
     cfg, models, pool = lora_pool.cfg, lora_pool.models, lora_pool.pool
     updater = ReferenceUpdater(models.policy, models.movable_reference, mode="sync", every=1)
     updater.step(1)
@@ -144,6 +144,9 @@ def test_a_restarted_service_gets_the_moved_reference_again(lora_pool, monkeypat
     for batch in (between, mid):
         response = batch["masks", "all_assistant_mask"]
         kl = (batch["log_probs", "full"] - batch["ref_log_probs", "full"])[response]
-        assert kl.abs().max() < 1e-5
+        # Sampling's KV-cache decode and the service's full pass round differently in float32: a
+        # few ulps of log-probs near -10 (ulp 1e-6), up to 1.2e-5 on single tokens; a stale
+        # reference is 1e-2 away.
+        assert kl.abs().max() < 1e-4
         stale = (batch["ref_log_probs", "full"] - reference_of_factory(cfg, batch))[response]
         assert stale.abs().max() > 1e-2
