@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tether.models.sampling import draw_categorical, invert_cdf, sample_responses
+from tether.models.sampling import sample_responses
+from tether.ops.logprobs import draw_categorical, invert_cdf
 from tests.helpers import make_tiny_model, make_tokenizer
 
 

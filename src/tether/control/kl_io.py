@@ -46,10 +46,8 @@ def push_coef(targets: tuple[Any, ...], coef: float) -> None:
 def mean_sequence_kl(kl_values: Any, n_steps: int | None) -> tuple[float, int]:
     """Returns (mean per-sequence KL, number of sequences) from the accepted input forms.
 
-    ``kl_values`` is a 1-D tensor ``[N]`` (each the KL of one sequence summed over its tokens:
-    the form tether's recipe and controllers pass), or one of TorchRL's forms kept for its
-    users (SPEC section 6): a sequence of N numbers, or a scalar already averaged over
-    ``n_steps`` sequences, in which case ``n_steps`` is required.
+    ``kl_values``: a 1-D tensor ``[N]`` of per-sequence summed KLs (what tether passes), or
+    TorchRL's forms (SPEC section 6): N numbers, or their mean with ``n_steps`` required.
     """
     if kl_values is None:
         raise ValueError(

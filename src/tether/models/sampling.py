@@ -29,6 +29,7 @@ from tether._compat import cache_layers, new_cache, select_cache_rows
 from tether.models.score_plan import check_fits_model, distinct_rows
 from tether.models.static_decode import StaticDecoder, static_decode_supported
 from tether.ops.checks import check_mask, check_temperature, check_token_ids, real_number, whole_number
+from tether.ops.logprobs import draw_categorical
 from tether.ops.masks import pad_rows, position_ids
 
 
@@ -72,50 +73,6 @@ class RowDraw(Protocol):
 
     def all_ended(self, ended: Tensor) -> bool:
         """Whether sampling is over, given which of this process's live rows just ended (``bool [b]``)."""
-
-
-_CDF_BLOCK = 256  # vocabulary entries per block of the two-level inversion
-
-
-def invert_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """The index of each row of ``probs`` whose cumulative mass first exceeds ``u`` times the row's total.
-
-    Two levels, both summed in float64: the block (``_CDF_BLOCK`` entries) whose cumulative mass first
-    exceeds the point, then the entry inside it. An entry of probability 0 is never returned: the
-    cumulative mass does not grow there, and rounding at a block's or row's end is held back to its
-    last entry with mass.
-
-    Args:
-        probs: ``[b, V]`` non-negative, each row with some mass (any scale).
-        u: ``float64 [b]`` points in ``[0, 1)``.
-
-    Returns:
-        ``long [b]`` indices, drawn from ``probs`` when ``u`` is uniform.
-    """
-    rows, vocab = probs.shape
-    width = min(_CDF_BLOCK, vocab)
-    count = -(-vocab // width)
-    blocks = torch.nn.functional.pad(probs, (0, count * width - vocab)).view(rows, count, width)
-    mass = blocks.sum(-1, dtype=torch.float64)
-    cdf = mass.cumsum(-1)
-    point = u.to(torch.float64)[:, None] * cdf[:, -1:]  # < the total: (1 - 2^-53) t rounds below t
-    block = torch.minimum(torch.searchsorted(cdf, point, right=True), torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
-    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp_min(0)), torch.zeros_like(point))
-    inner = blocks.gather(1, block[:, :, None].expand(rows, 1, width)).squeeze(1).to(torch.float64).cumsum(-1)
-    entry = torch.searchsorted(inner, point - before, right=True)
-    entry = torch.minimum(entry, torch.searchsorted(inner, inner[:, -1:].contiguous()))
-    return (block * width + entry).squeeze(-1)
-
-
-def draw_categorical(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One index per row of ``probs [b, V]``, drawn from it: ``invert_cdf`` at one uniform per row.
-
-    The law of ``torch.multinomial(probs, 1)``, at a fraction of its cost on a CPU: it draws an
-    exponential for every entry of the vocabulary (about 64 ms a decode step at ``[72, 49152]`` on
-    two cores, against 2 ms here). ``long [b]``.
-    """
-    u = torch.rand(probs.shape[0], dtype=torch.float64, generator=generator, device=probs.device)
-    return invert_cdf(probs, u)
 
 
 class LocalDraw:

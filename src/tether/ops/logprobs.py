@@ -1,4 +1,5 @@
-"""Per-token label log-probabilities and entropies over the vocabulary, chunked over tokens.
+"""The categorical distribution over the vocabulary: label log-probs and entropies, chunked over
+tokens, and one token drawn from each row's probabilities (``draw_categorical``).
 
 Reductions over the vocabulary run in float32 whatever the model dtype (float64 stays
 float64). Tokens are processed ``chunk_size`` at a time and every backward pass recomputes
@@ -339,3 +340,46 @@ def token_entropy_from_hidden(
     return _stats_from_hidden(
         hidden, lm_head_weight, lm_head_bias, None, temperature, chunk_size, True
     ).entropy
+
+
+_CDF_BLOCK = 256  # vocabulary entries per block of the two-level inversion
+
+
+def invert_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The index of each row of ``probs`` whose cumulative mass first exceeds ``u`` times the row's total.
+
+    Two levels, both summed in float64: the block (``_CDF_BLOCK`` entries) whose cumulative mass first
+    exceeds the point, then the entry inside it. An entry of probability 0 is never returned: the
+    cumulative mass does not grow there, and rounding at a block's or row's end is held back to its
+    last entry with mass.
+
+    Args:
+        probs: ``[b, V]`` non-negative, each row with some mass (any scale).
+        u: ``float64 [b]`` points in ``[0, 1)``.
+
+    Returns:
+        ``long [b]`` indices, drawn from ``probs`` when ``u`` is uniform.
+    """
+    rows, vocab = probs.shape
+    width = min(_CDF_BLOCK, vocab)
+    count = -(-vocab // width)
+    blocks = torch.nn.functional.pad(probs, (0, count * width - vocab)).view(rows, count, width)
+    mass = blocks.sum(-1, dtype=torch.float64)
+    cdf = mass.cumsum(-1)
+    point = u.to(torch.float64)[:, None] * cdf[:, -1:]  # < the total: (1 - 2^-53) t rounds below t
+    block = torch.minimum(torch.searchsorted(cdf, point, right=True), torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp_min(0)), torch.zeros_like(point))
+    inner = blocks.gather(1, block[:, :, None].expand(rows, 1, width)).squeeze(1).to(torch.float64).cumsum(-1)
+    entry = torch.searchsorted(inner, point - before, right=True)
+    entry = torch.minimum(entry, torch.searchsorted(inner, inner[:, -1:].contiguous()))
+    return (block * width + entry).squeeze(-1)
+
+
+def draw_categorical(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of ``probs [b, V]``, drawn from it: ``invert_cdf`` at one uniform per row.
+
+    The law of ``torch.multinomial(probs, 1)``, which draws an exponential for every entry of the
+    vocabulary instead (measured in docs/performance.md). ``long [b]``.
+    """
+    u = torch.rand(probs.shape[0], dtype=torch.float64, generator=generator, device=probs.device)
+    return invert_cdf(probs, u)

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from tether._compat import forget_forward_order
 from tether.models.records import HeadHidden
 from tether.models.reference import AdapterDisabledReference
-from tether.models.sampling import draw_categorical
 from tether.ops.checks import lookup, problems, whole_number
+from tether.ops.logprobs import draw_categorical
 
 
 # ------------------------------------------------------------------------------ device and dtype
