@@ -60,12 +60,8 @@ AGGREGATION_MODES: dict[str, _Mode] = {
 }
 
 
-def _mode_named(mode: str, argument: str) -> _Mode:
-    return lookup(AGGREGATION_MODES, mode, argument)
-
-
 def _mode(mode: str) -> _Mode:
-    return _mode_named(mode, "mode")
+    return lookup(AGGREGATION_MODES, mode, "mode")
 
 
 def _check_mask(mask: Tensor) -> None:
@@ -107,27 +103,29 @@ def aggregate_denominator(mask: Tensor, mode: str) -> Tensor:
     return mask.any(dim=-1).sum()
 
 
-def check_aggregation(mode: str, normalizer: Tensor | float | None, *, argument: str = "mode") -> None:
-    """Checks a mode and its normalizer as ``aggregate`` would (a loss checks its options with it);
-    ``argument`` is the caller's name for the mode, which the errors name."""
-    if _mode_named(mode, argument).needs_normalizer and normalizer is None:
+def check_aggregation(mode: str, normalizer: Tensor | float | None, *, argument: str = "mode") -> _Mode:
+    """The mode's spec after checking it and its normalizer as ``aggregate`` does (a loss checks its
+    options with it); ``argument`` is the caller's name for the mode, which the errors name."""
+    spec = lookup(AGGREGATION_MODES, mode, argument)
+    if spec.needs_normalizer and normalizer is None:
         raise ValueError(
             f"{argument}={mode!r} needs normalizer (a constant per-row divisor such as the maximal "
             "response length); pass normalizer=<positive number>."
         )
     _check_positive("normalizer", normalizer)
+    return spec
 
 
 def _check_arguments(values: Tensor, mask: Tensor, mode: str, normalizer, denominator) -> _Mode:
     """The mode's spec, after every argument check of ``aggregate`` (typed errors naming them)."""
-    check_aggregation(mode, normalizer)
+    spec = check_aggregation(mode, normalizer)
     _check_mask(mask)
     if not isinstance(values, Tensor) or values.shape != mask.shape:
         got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
         raise ValueError(f"values must be a tensor with the mask's shape {tuple(mask.shape)}; got {got}.")
     check_same_device("mask", mask, "values", values)
     _check_positive("denominator", denominator)
-    return _mode(mode)
+    return spec
 
 
 def aggregate(
