@@ -11,6 +11,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tether.models import TransformersWrapper
 from tether.models.scoring import ACCELERATOR_TOKEN_BUDGET, DEFAULT_TOKEN_BUDGET, default_layout, score_tokens
 from tether.models.packing import plan_prefix_split
+from tether.models.score_plan import left_aligned
+from tether.ops.masks import pad_rows, repack
 from tests.helpers import make_tiny_model, make_tokenizer
 
 
@@ -239,3 +241,67 @@ def test_padding_ids_outside_the_vocabulary_are_never_looked_up(model64):
     expected = score_tokens(model64, tokens, mask, share_prefix=True).log_probs
     tokens = tokens.masked_fill(~mask, model64.config.vocab_size)
     torch.testing.assert_close(score_tokens(model64, tokens, mask, share_prefix=True).log_probs, expected, rtol=0, atol=0)
+
+
+def _hand_batch(padding_side):
+    """The plan test's batch (prompts [7, 8, 9] and [5, 6, 7, 8], answers of 1, 2 and 2 tokens)
+    with whole rows padded on ``padding_side``."""
+    rows = [[7, 8, 9, 10], [7, 8, 9, 10, 21], [7, 8, 9, 11, 22],
+            [5, 6, 7, 8, 10], [5, 6, 7, 8, 11, 21], [5, 6, 7, 8, 12, 22]]
+    padded = pad_rows([torch.tensor(r) for r in rows], padding_side=padding_side)
+    return padded.values, padded.mask
+
+
+def test_a_left_padded_batch_shares_its_prompts_as_a_right_padded_one(model64):
+    """Left padding shifts each copy of a prompt by its own answer's length, so on the batch's
+    grid the copies of [7, 8, 9] start at columns 2, 1, 1 and those of [5, 6, 7, 8] at 1, 0, 0.
+    The best cut there, P = 4, finds 4 distinct row prefixes ([_, _, 7, 8], [_, 7, 8, 9],
+    [_, 5, 6, 7], [5, 6, 7, 8]; 12 tokens) plus 12 tokens after column 4: 24 of 31, saving 7
+    (P = 3: 8 + 18, saving 5; P = 5: six distinct rows). Scoring plans on the rows moved to
+    column 0, where the best cut is P = 3 (the tie with P = 4 goes to the first): the two prompts
+    run once (2 x 3 tokens) and the 6 suffixes of 1, 2, 2, 2, 3, 3 tokens in one right-padded pass
+    of 6 x 3, so the decoder embeds 6 + 18 = 24 ids where plain scoring embeds 6 x 6 = 36 (the
+    test model's float64 attention cannot be packed: one right-padded pass). Values equal plain
+    scoring."""
+    tokens, mask = _hand_batch("left")
+    assert (plan_prefix_split(tokens, mask).width, plan_prefix_split(tokens, mask).tokens_saved) == (4, 7)
+    aligned, aligned_mask, _ = left_aligned(tokens, mask)
+    assert torch.equal(aligned, _hand_batch("right")[0]) and torch.equal(aligned_mask, _hand_batch("right")[1])
+    split = plan_prefix_split(aligned, aligned_mask)
+    assert (split.width, split.tokens_saved) == (3, 12)
+
+    score_tokens(model64, tokens, mask)  # the model's one-off head probe runs here, not below
+    embedded = []
+    hook = model64.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    try:
+        plain = score_tokens(model64, tokens, mask)
+        plain_count = sum(embedded)
+        embedded.clear()
+        shared = score_tokens(model64, tokens, mask, share_prefix=True)
+    finally:
+        hook.remove()
+    assert (plain_count, sum(embedded)) == (36, 24)
+    torch.testing.assert_close(shared.log_probs, plain.log_probs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(shared.log_probs, naive_logprobs(model64, tokens, mask), rtol=0, atol=1e-12)
+
+
+def test_kept_hidden_states_and_the_exact_kl_land_on_the_batch_grid(model64):
+    """Through the left-aligned grid, ``where``, ``keep_hidden`` and ``kl_to`` still refer to the
+    caller's positions: kept hidden states in the caller's row-major order and the exact KL per
+    position equal plain scoring's, on a left-padded GRPO batch."""
+    tokens, mask = repack(*grpo_batch([3, 6, 5], group=4, max_response=5, seed=4), "left")
+    where = mask.clone()
+    where[:, :-6] = False  # the answers and the last prompt tokens of the longest rows
+    where &= torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)  # a prediction exists
+    other = make_tiny_model(make_tokenizer(), dtype=torch.float64, seed=1)
+    other.config._attn_implementation = "tether_test_float64"
+    runs = {}
+    for share in (False, True):
+        ref = score_tokens(other, tokens, mask, where=where, keep_hidden=True, share_prefix=share)
+        runs[share] = (ref, score_tokens(model64, tokens, mask, where=where, kl_to=ref.hidden, share_prefix=share))
+    assert plan_prefix_split(*left_aligned(tokens, mask)[:2]) is not None
+    (ref_plain, kl_plain), (ref_shared, kl_shared) = runs[False], runs[True]
+    torch.testing.assert_close(ref_shared.hidden.hidden, ref_plain.hidden.hidden, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ref_shared.log_probs, ref_plain.log_probs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(kl_shared.exact_kl, kl_plain.exact_kl, rtol=0, atol=1e-12)
+    assert float(kl_plain.exact_kl[where].min()) > 0 and not kl_plain.exact_kl[~where].any()

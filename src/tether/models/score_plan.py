@@ -19,6 +19,8 @@ so the exact KL costs two head projections, not two decoder passes), computes th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +228,17 @@ def default_chunk_size(head_weight: Tensor) -> int | None:
     return max(16, CPU_HEAD_SCRATCH_BYTES // (head_weight.shape[0] * itemsize))
 
 
+def left_aligned(tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(tokens [B, W], mask bool [B, W], source long [B * W])``: every row moved to column 0 (right
+    padding, ``W`` its longest run) and, for each flat position of that grid, the ``row * T + col``
+    it came from (0 at padding). Rows of one contiguous run each (``row_spans``)."""
+    start, lengths = row_runs(attention_mask)
+    rows, span = attention_mask.shape
+    first = torch.arange(rows, device=attention_mask.device) * span + start
+    source, mask = padded_index(first, lengths, int(lengths.max()), fill_index=0)
+    return tokens.reshape(-1)[source], mask, source.reshape(-1)
+
+
 def check_where(where: Tensor | None, tokens: Tensor) -> None:
     """``where`` must be None or a bool mask of the tokens' shape.
 
@@ -267,19 +280,37 @@ class TokenSink:
         self.with_entropy, self.keep_hidden, self.kl_to = with_entropy, keep_hidden, kl_to
         self.with_log_probs = log_probs
         self.checked = False  # the ops check the first chunk; later chunks share its head, labels and options
+        self.source: Tensor | None = None  # see relaid
         self.index: list[Tensor] = []
         self.log_probs: list[Tensor] = []
         self.entropy: list[Tensor] = []
         self.kept: list[Tensor] = []
         self.kl: list[Tensor] = []
 
+    @contextmanager
+    def relaid(self, source: Tensor) -> Iterator[None]:
+        """While open, the positions handed in are flat indices of a re-laid grid (``left_aligned``)
+        and ``source [n]`` maps each one to its ``row * T + col`` in the batch."""
+        self.source = source
+        try:
+            yield
+        finally:
+            self.source = None
+
+    def _original(self, flat_index: Tensor) -> Tensor:
+        return flat_index if self.source is None else self.source[flat_index]
+
+    def _wanted(self, flat_index: Tensor) -> Tensor | None:
+        return None if self.where is None else self.where[flat_index]
+
     def chosen(self, flat_index: Tensor) -> Tensor | None:
         """``bool [n]``: which of these positions are wanted (None: all of them)."""
-        return None if self.where is None else self.where[flat_index]
+        return self._wanted(self._original(flat_index))
 
     def add(self, hidden: Tensor, labels: Tensor, flat_index: Tensor) -> None:
         """Score ``hidden [n, H]`` predicting ``labels [n]`` at batch positions ``flat_index [n]``."""
-        chosen = self.chosen(flat_index)
+        flat_index = self._original(flat_index)
+        chosen = self._wanted(flat_index)
         if chosen is not None:
             hidden, labels, flat_index = hidden[chosen], labels[chosen], flat_index[chosen]
         head, checked = self.head, not self.checked
@@ -304,7 +335,8 @@ class TokenSink:
     def add_values(self, stats: TokenStats, flat_index: Tensor) -> None:
         """Values already computed (``[n]`` each) for positions ``flat_index [n]``; those outside
         ``where`` are dropped here (a model without a linear head has no hidden states to narrow)."""
-        chosen = self.chosen(flat_index)
+        flat_index = self._original(flat_index)
+        chosen = self._wanted(flat_index)
         if chosen is not None:
             flat_index = flat_index[chosen]
             stats = TokenStats(stats.log_probs[chosen], None if stats.entropy is None else stats.entropy[chosen])

@@ -26,6 +26,7 @@ from tether.models.score_plan import (  # noqa: F401 (iter_micro_batches, plan_m
     check_fits_model,
     check_where,
     iter_micro_batches,
+    left_aligned,
     plan_micro_batches,
     row_spans,
     scatter_tokens,
@@ -192,11 +193,16 @@ def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, 
         # A checkpointed layer drops the KV cache the suffixes would be scored on.
         return False
     row_spans(attention_mask)  # same contiguity contract (and error) as plain scoring
-    split = plan_prefix_split(tokens, attention_mask)
+    if tokens.shape[0] < 2:
+        return False
+    # Planned on rows moved to column 0: a left-padded batch shifts each copy of a group's prompt by
+    # its own answer's padding, and a cut is one column for all rows.
+    aligned, mask, source = left_aligned(tokens, attention_mask)
+    split = plan_prefix_split(aligned, mask)
     if split is None:
         return False
-    return score_with_shared_prefix(parts.decoder, tokens, attention_mask.bool(), split,
-                                    token_budget=token_budget, sink=sink)
+    with sink.relaid(source):
+        return score_with_shared_prefix(parts.decoder, aligned, mask, split, token_budget=token_budget, sink=sink)
 
 
 def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int, sink: TokenSink) -> None:
