@@ -1,10 +1,11 @@
 """The sharded learner (issue 16): ``--nproc 2`` on CPU (gloo, FSDP2) against one process.
 
-Each run is a tiny float64 model for 2 steps. The workload keeps the one-process scorer off its
-shared-prefix split (answers of 48 tokens in groups of 2: the split would save under 20 %),
-because that split rounds differently from the plain pass the sharded scorer uses: HF's
-RMSNorm computes in float32 even for float64 weights, so the two layouts' gradients agree to
-about 1e-7 only, and the 1e-10 parity check would measure that instead of the sharding.
+Each run is a tiny float64 model for 2 steps. The one-process run scores its loss and readings as
+the sharded ranks do (``_one_process``: one plain forward per micro-batch, no shared-prefix split),
+because the split rounds differently from the plain pass: HF's RMSNorm computes in float32 even
+for float64 weights, so the two layouts' values agree to about 1e-7 only, and the 1e-10 parity
+check would measure that instead of the sharding. The reference pass keeps its default layout in
+both runs (unsharded on each rank); the parity checks below hold with it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from tests.train.test_recipe import _metrics, _weights
 from tether.train.cli import free_port, main, settle_nproc, torchrun_command
 from tether.train.config import TrainConfig
-from tether.train.recipe import train
+from tether.train.recipe import sample, train
 from tether.train.sharding import Ranks, config_problems
 
 HERE = Path(__file__).parent
@@ -33,6 +34,18 @@ def _flags(out: Path, **kw) -> dict:
                 group_size=2, max_new_tokens=48, micro_batch_size=3, eval_size=2, eval_max_new_tokens=4,
                 lora_rank=0, learning_rate=1e-3, checkpoint_every=1, threads=1, dtype="float64")
     return {**base, **kw}
+
+
+def _scored_as_sharded(run, problems, step):
+    """The recipe's rollout, after giving the run's loss and readings the sharded ranks' scoring
+    layout (``sharding.share_run``), through the public ``rollout`` seam of ``train``."""
+    run.actor.token_budget, run.actor.share_prefix = sys.maxsize, False
+    return sample(run, problems, step)
+
+
+def _one_process(out: Path, **kw) -> Path:
+    train(TrainConfig(**_flags(out, **kw)), progress=False, rollout=_scored_as_sharded)
+    return out
 
 
 def _cli(*words: str) -> None:
@@ -68,14 +81,13 @@ def _assert_same_run(one: Path, two: Path, tol: float) -> None:
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("lora")
-    train(TrainConfig(**_flags(root / "one", lora_rank=4, learning_rate=1e-2)), progress=False)
-    return root / "one", _sharded(root / "two", lora_rank=4, learning_rate=1e-2)
+    return _one_process(root / "one", lora_rank=4, learning_rate=1e-2), _sharded(root / "two", lora_rank=4,
+                                                                              learning_rate=1e-2)
 
 
 def test_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
     """2 steps of every weight: the weights within 1e-10 and every logged value equal."""
-    train(TrainConfig(**_flags(tmp_path / "one")), progress=False)
-    _assert_same_run(tmp_path / "one", _sharded(tmp_path / "two"), 1e-10)
+    _assert_same_run(_one_process(tmp_path / "one"), _sharded(tmp_path / "two"), 1e-10)
 
 
 def test_lora_on_two_ranks_equals_one_process(lora_runs):
@@ -91,8 +103,7 @@ def test_kl_budget_on_two_ranks_equals_one_process(tmp_path, lora_rank):
     its shards of the weights (LoRA's B factors, or every parameter toward the sharded reference
     copy), and the run equals one process's; a target of 0.02 nats makes the budget move."""
     kw = dict(lora_rank=lora_rank, learning_rate=1e-2, kl_controller="budget", kl_target=0.02)
-    train(TrainConfig(**_flags(tmp_path / "one", **kw)), progress=False)
-    _assert_same_run(tmp_path / "one", _sharded(tmp_path / "two", **kw), 1e-10)
+    _assert_same_run(_one_process(tmp_path / "one", **kw), _sharded(tmp_path / "two", **kw), 1e-10)
     assert any(r["kl_move_scale"] != 1.0 for r in _metrics(tmp_path / "one"))
 
 
@@ -106,8 +117,7 @@ def test_dynamic_sampling_on_two_ranks_equals_one_process(tmp_path):
                       "    texts = [c[-1]['content'] for c in completions]\n"
                       "    return [float(sum(ord(c) % 2 for c in t) * 2 > len(t)) for t in texts]\n")
     kw = dict(dynamic_sampling=True, max_resample=2, reward_funcs=str(reward))
-    train(TrainConfig(**_flags(tmp_path / "one", **kw)), progress=False)
-    _assert_same_run(tmp_path / "one", _sharded(tmp_path / "two", **kw), 1e-10)
+    _assert_same_run(_one_process(tmp_path / "one", **kw), _sharded(tmp_path / "two", **kw), 1e-10)
     assert any(r["groups_drawn"] > 4 for r in _metrics(tmp_path / "one"))
 
 
