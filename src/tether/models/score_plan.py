@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tether.models.records import HeadHidden, ScoredTokens
 from tether.ops import TokenStats, exact_kl_from_hidden, token_stats_from_hidden
 from tether.ops.checks import compute_dtype
-from tether.ops.masks import padded_index, row_runs, row_slices  # row_slices: its callers import it from here
+from tether.ops.masks import flat_runs, padded_index, row_runs, row_slices  # row_slices: its callers import it from here
 
 
 def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -232,10 +232,7 @@ def left_aligned(tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor
     """``(tokens [B, W], mask bool [B, W], source long [B * W])``: every row moved to column 0 (right
     padding, ``W`` its longest run) and, for each flat position of that grid, the ``row * T + col``
     it came from (0 at padding). Rows of one contiguous run each (``row_spans``)."""
-    start, lengths = row_runs(attention_mask)
-    rows, span = attention_mask.shape
-    first = torch.arange(rows, device=attention_mask.device) * span + start
-    source, mask = padded_index(first, lengths, int(lengths.max()), fill_index=0)
+    source, mask = padded_index(*flat_runs(attention_mask), fill_index=0)
     return tokens.reshape(-1)[source], mask, source.reshape(-1)
 
 

@@ -193,8 +193,6 @@ def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, 
         # A checkpointed layer drops the KV cache the suffixes would be scored on.
         return False
     row_spans(attention_mask)  # same contiguity contract (and error) as plain scoring
-    if tokens.shape[0] < 2:
-        return False
     # Planned on rows moved to column 0: a left-padded batch shifts each copy of a group's prompt by
     # its own answer's padding, and a cut is one column for all rows.
     aligned, mask, source = left_aligned(tokens, attention_mask)

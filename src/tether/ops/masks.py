@@ -149,17 +149,24 @@ def pad_rows(rows: Sequence[Tensor], *, padding_value: float | int | bool = 0, p
                           padding_value=padding_value)
 
 
+def flat_runs(mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """``(starts [B], lengths [B], W)``: each row's contiguous run of valid entries of ``mask [B, T]``
+    as a run of the flattened grid (``starts = b * T + first column``, the source ``padded_index``
+    and ``rows_to_padded`` read), and ``W`` the longest run."""
+    start, lengths = row_runs(mask)
+    rows, span = mask.shape
+    first = torch.arange(rows, device=mask.device) * span + start
+    return first, lengths, int(lengths.max()) if lengths.numel() else 0
+
+
 def repack(values: Tensor, mask: Tensor, padding_side: str, *,
            padding_value: float | int | bool = 0) -> tuple[Tensor, Tensor]:
     """``(values [B, W, ...], mask bool [B, W])``: each row's contiguous run of valid entries of
     ``values [B, T, ...]`` re-laid so its padding (``padding_value``) sits on ``padding_side``, the
     width ``W`` cropped to the longest run."""
-    start, lengths = row_runs(mask)
-    rows, span = mask.shape
-    first = torch.arange(rows, device=mask.device) * span + start  # each run's place in the flattened values
-    padded = rows_to_padded(values.reshape(rows * span, *values.shape[2:]), first, lengths,
-                            int(lengths.max()) if lengths.numel() else 0, padding_side=padding_side,
-                            padding_value=padding_value)
+    starts, lengths, width = flat_runs(mask)
+    padded = rows_to_padded(values.reshape(mask.numel(), *values.shape[2:]), starts, lengths, width,
+                            padding_side=padding_side, padding_value=padding_value)
     return padded.values, padded.mask
 
 
