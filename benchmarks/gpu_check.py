@@ -509,7 +509,7 @@ def parity_worker(device: str, model_name: str) -> dict:
     import torch
 
     from tether.models.scoring import exact_kl_tokens, score_tokens
-    from tether.train.run import load_base
+    from tether.models.loading import load_base
 
     reference, tokenizer = load_base(model_name, 0, torch.float32)
     policy = copy.deepcopy(reference)
@@ -556,7 +556,7 @@ def nccl_worker(device_name: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tether.train.run import load_base
+    from tether.models.loading import load_base
     from tether.train.sharding import _shard
 
     cuda = device_name == "cuda"

@@ -19,7 +19,8 @@ from tether.train.checkpoint import read_run_config
 from tether.train.cli import main
 from tether.train.export import export_run
 from tether.train.recipe import train
-from tether.train.run import build_models, load_base
+from tether.models.loading import load_base
+from tether.train.run import build_models
 
 CHAT = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}]
 

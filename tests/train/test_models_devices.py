@@ -17,7 +17,8 @@ from tether.models.tiny import byte_tokenizer, tiny_causal_lm
 from tether.train import recipe
 from tether.train.recipe import (accumulate_gradients, add_advantages, add_reference, build_run, sample, add_rewards,
                                  step_problems, train)
-from tether.train.run import build_models, load_base
+from tether.models.loading import load_base
+from tether.train.run import build_models
 from tether.train.sharding import resolve_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -326,7 +327,7 @@ def test_eval_refuses_a_pickled_model_in_one_line_without_reading_it(tmp_path, c
 def test_a_pickled_adapter_or_reward_model_is_refused_by_name(tmp_path):
     """An adapter directory holding ``adapter_model.bin`` and no safetensors, or a reward model
     directory holding ``pytorch_model.bin``, is refused before PEFT or transformers reads it."""
-    from tether.train.run import load_adapter
+    from tether.models.loading import load_adapter
     from tether.train.rewards import RewardModelFunction
 
     reward_model = tmp_path / "rm"

@@ -298,7 +298,7 @@ class RewardModelFunction:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from tether.models import SequenceRewardModel
-        from tether.train.run import check_not_pickled
+        from tether.models.loading import check_not_pickled
 
         check_not_pickled(Path(path), "reward_model")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -9,9 +9,7 @@ and a resume puts every piece back (RNGs, controller, schedule, reference update
 cut back to the checkpoint's step), so a resumed run ends bit-identical to one that was never
 stopped (on CPU). With a sharded learner, rank 0 alone writes the run directory.
 
-``--model`` is ``default`` (the embedded SmolLM2), ``tiny`` (random 2-layer model), a local Hugging
-Face directory, or a hub id already in the local cache: nothing is downloaded, and weights are
-read from safetensors only. With LoRA the reference is the policy with its adapter disabled
+``--model`` is read by ``tether.models.loading.load_base`` (offline, safetensors only). With LoRA the reference is the policy with its adapter disabled
 unless it has to move (``sync``); full fine-tuning and a continued adapter (``cfg.adapter``) take
 a ``frozen_copy``. ``Models.fingerprint`` identifies the base weights and tokenizer as loaded, so
 a checkpoint refuses another base of the same shapes. The learning rate's schedule is
@@ -21,7 +19,6 @@ a checkpoint refuses another base of the same shapes. The learning rate's schedu
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 import warnings
@@ -36,8 +33,8 @@ from tether._compat import enable_gradient_checkpointing, peft_model
 from tether.control import KLController, make_kl_controller
 from tether.control.budget import ReferenceLine
 from tether.integrations.trackers import NullTracker, make_tracker
-from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy, load_default_model
-from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
+from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
 from tether.ops.checks import lookup
 from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, open_checkpoint,
                                      periodic_eval, save_checkpoint, start_new_run, write_config)
@@ -46,7 +43,7 @@ from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_m
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
-from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task, hub_snapshot,
+from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
                                 load_task, with_episode_limits)
 from tether.train.updates import make_lr_scheduler
 
@@ -264,89 +261,6 @@ def close_run(run: Run, opened: Opened) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ models
-# Hub ids resolve through ``snapshot_download(local_files_only=True)`` and every ``from_pretrained``
-# call passes ``local_files_only=True``, so an uncached id fails with one sentence saying how to fetch
-# it, instead of a network error or a silent download. A directory whose weights are pickles
-# (``pytorch_model.bin``, ``adapter_model.bin``) is refused by name before anything is loaded.
-
-_KINDS = "'default', 'tiny', a local model directory or a hub id in the local Hugging Face cache"
-
-
-def _looks_like_path(spec: str) -> bool:
-    # A hub id is "name" or "owner/name"; anything else the user typed is meant as a path.
-    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
-
-
-def model_directory(spec: str) -> Path:
-    """The local directory holding ``spec``: the directory itself, or its cached hub snapshot."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path
-    if _looks_like_path(spec):
-        raise ValueError(f"model: expected {_KINDS}, got {spec!r}: no such directory; check the path.")
-    return hub_snapshot(spec, "model", expected=_KINDS)
-
-
-def check_not_pickled(directory: Path, argument: str, *, weights: str = "model") -> None:
-    """Refuse ``directory`` when its ``weights`` (``model`` or ``adapter_model``) exist only as pickles.
-
-    Loading a pickle can run code, and transformers and PEFT fall back to one when no
-    safetensors file is there; tether never reads them (its own checkpoints pickle nothing)."""
-    safe = f"{weights}*.safetensors"
-    pickled = "pytorch_model*.bin" if weights == "model" else f"{weights}*.bin"
-    found = sorted(directory.glob(pickled))
-    if found and not any(directory.glob(safe)):
-        raise ValueError(
-            f"{argument}: expected safetensors weights ({safe}) in {directory}, got only the pickle {found[0]}; "
-            "tether refuses pickled weights, since loading one can run code. Convert it once where you trust "
-            "the file (load it with transformers or PEFT and save_pretrained, which writes safetensors), or "
-            "pass a directory with safetensors weights."
-        )
-
-
-def load_base(spec: str, seed: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
-    """``(model in eval mode, tokenizer)`` for ``spec`` (see the module docstring), in ``dtype``."""
-    if spec == "default":
-        return load_default_model(dtype=dtype)
-    if spec == "tiny":
-        tokenizer = byte_tokenizer()
-        return tiny_causal_lm(tokenizer, hidden=64, layers=2, seed=seed, head_scale=1.0, dtype=dtype), tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = model_directory(spec)
-    check_not_pickled(path, "model")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, use_safetensors=True)
-    return model.eval(), tokenizer
-
-
-def load_adapter(base: nn.Module, path: str) -> nn.Module:
-    """``base`` wrapped by PEFT with the LoRA adapter saved in ``path``, its weights trainable."""
-    import peft
-
-    directory = Path(path).expanduser()
-    if not (directory / "adapter_config.json").is_file():
-        raise ValueError(f"adapter: expected a directory holding a PEFT adapter (adapter_config.json), got "
-                         f"{path!r}; pass the directory that save_pretrained wrote.")
-    check_not_pickled(directory, "adapter", weights="adapter_model")
-    config = peft.PeftConfig.from_pretrained(directory)
-    if config.peft_type != peft.PeftType.LORA:
-        raise ValueError(f"adapter: {path!r} holds a {config.peft_type.value} adapter; tether continues LoRA "
-                         "adapters only.")
-    # The adapter keeps PEFT's float32 factors over a bfloat16 base (autocast_adapter_dtype).
-    return peft.PeftModel.from_pretrained(base, directory, is_trainable=True)
-
-
-def adapter_digest(policy: nn.Module) -> str:
-    """SHA-256 of the adapter's trainable tensors as loaded (names, shapes and values)."""
-    digest = hashlib.sha256()
-    for name, param in policy.named_parameters():
-        if param.requires_grad:
-            digest.update(f"{name}:{list(param.shape)};".encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
 class AdapterNote(UserWarning):
     """A continued adapter's own rank, alpha and targets replace lora_rank, lora_alpha and lora_targets."""
 
@@ -360,29 +274,6 @@ class Models:
     movable_reference: nn.Module | None
     fingerprint: dict[str, str] = field(default_factory=dict)
     device: torch.device = torch.device("cpu")  # where the policy's weights live
-
-
-# ``fingerprint`` hashes every tensor's name, shape, dtype and an evenly strided sample of at most
-# ``_SAMPLE`` of its values (all of them for small tensors): two bases that differ at all differ in far
-# more places than that sample misses, and hashing 135M weights in full would add seconds to every
-# start. A continued adapter adds the digest of its weights as loaded.
-_SAMPLE = 1 << 16
-_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
-    """SHA-256 digests of the base weights (strided sample) and of the tokenizer's vocabulary."""
-    weights = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        # Raw bits as integers of the same width (numpy has no bfloat16); numpy's strided
-        # copy is far faster than torch's here.
-        bits = tensor.detach().cpu().reshape(-1).view(_SAME_WIDTH[tensor.element_size()]).numpy()
-        weights.update(f"{name}:{list(tensor.shape)}:{tensor.dtype};".encode())
-        weights.update(bits[:: max(1, bits.size // _SAMPLE)].tobytes())
-    vocab = {"vocab": sorted(tokenizer.get_vocab().items()), "special": str(tokenizer.special_tokens_map),
-             "chat_template": str(getattr(tokenizer, "chat_template", None))}
-    text = json.dumps(vocab, sort_keys=True).encode()
-    return {"weights": weights.hexdigest(), "tokenizer": hashlib.sha256(text).hexdigest()}
 
 
 def build_models(cfg: TrainConfig) -> Models:

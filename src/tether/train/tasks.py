@@ -415,6 +415,8 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
     """The rows of a JSONL/CSV/Parquet file, a saved dataset directory or a cached Hub dataset, as dicts."""
     import datasets
 
+    from tether.models.loading import hub_snapshot
+
     datasets.disable_progress_bars()
     source = Path(path)
     if not source.exists() and _looks_like_hub_id(path):
@@ -443,26 +445,6 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
     return rows
-
-
-def hub_snapshot(spec: str, argument: str, *, expected: str, repo_type: str = "model") -> Path:
-    """The local Hugging Face cache's snapshot of hub id ``spec`` (a ``repo_type`` repository); tether
-    never downloads, so an uncached id gets one sentence saying how to fetch it once."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(spec, repo_type=repo_type, local_files_only=True))
-    except HFValidationError as exc:
-        raise ValueError(f"{argument}: expected {expected}, got {spec!r}, which is neither a local path nor a valid "
-                         "hub id; check the spelling.") from exc
-    except LocalEntryNotFoundError as exc:
-        fetch = f"hf download {spec}" + (f" --repo-type {repo_type}" if repo_type != "model" else "")
-        raise ValueError(
-            f"{argument}: {spec!r} is no local path and is not in the Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            f"tether never downloads. Fetch it once with `{fetch}` (or set HF_HUB_CACHE to the cache that holds "
-            "it), or pass a local path."
-        ) from exc
 
 
 def _load_hub_snapshot(spec: str, snapshot: Path, argument: str):
