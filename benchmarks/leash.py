@@ -4,18 +4,18 @@ Each run is ``tether train`` on the embedded SmolLM2-135M-Instruct and the arith
 a reduced step (``--prompts`` x ``--group`` answers of up to ``--max-new-tokens``, ``--steps``
 steps, no held-out evaluation). Seven settings: learning rate x3.3 by starting beta x30 in the
 loss mode, the higher rate also in the reward mode, and beta started 30x below the too-weak
-0.02. In each, every controller aims at one ``--kl-target``.
+0.02. In each, every controller aims at one ``--kl-target``, at each of ``--seeds``.
 
-One row per run: the share of steps 5-16 whose exact KL per answer (of the step's own batch)
-lies within +-25 % of the target, the final KL (last 3 steps), the reward gain (last quarter
-minus step 1), the steps over ``kl_bound`` (3) and the largest step KL over the target. The
-goal: >= 80 % in band in every setting and no step above 1.5x the target. A PNG of the KL per
-step per run goes to ``--out``/leash.png. A run whose directory holds a ``summary.json`` is
-read, not re-run, so ``--settings`` can split the grid over processes.
+Each run's per-step record goes to ``benchmarks/results/leash.jsonl`` (``tables.py`` rebuilds the
+leash page's tables and plot from it). Scored per run: the share of steps 5-16 whose exact KL per
+answer (of the step's own batch, read by the weights that sampled it) lies within +-25 % of the
+target, the largest such KL over the target, the steps whose kept weights read over ``kl_bound``
+(3) and the rejected updates. The goal: >= 80 % in band and no step above 1.5x the target in
+every run. A run whose directory holds a ``summary.json`` is read, not re-run.
 
-    python benchmarks/leash.py                        # the whole grid
-    python benchmarks/leash.py --controllers budget   # one controller
-    python benchmarks/leash.py --quick                # 1 setting, 3 steps, tiny batches
+    python benchmarks/leash.py --controllers budget --seeds 0,1,2   # the budget's grid
+    python benchmarks/leash.py --settings 5,6 --push off            # two settings without the push
+    python benchmarks/leash.py --quick                              # 1 setting, 3 steps, tiny batches
 """
 
 from __future__ import annotations
@@ -26,9 +26,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import _results
 from tether.train.config import TrainConfig
 from tether.train.metrics import TARGET_BAND
 from tether.train.recipe import train
+
+# What each run's record keeps of a step's metrics.
+STEP_KEYS = ("step", "kl_per_seq", "kl_exact_per_seq", "kl_move_before_per_seq", "kl_kept_per_seq", "kl_move_scale",
+             "kl_move_forwards", "step_rejected", "kl_over_bound", "kl_coef", "reward_mean", "step_time",
+             "kl_move_seconds")
 
 CONTROLLERS = ("constant", "adaptive", "target", "budget")
 
@@ -55,19 +61,31 @@ def settings(quick: bool) -> list[Setting]:
     return grid + [Setting(1e-3, beta, "reward") for beta in (0.02, 0.6)] + [Setting(1e-3, 0.02 / 30, "loss")]
 
 
-def run_one(setting: Setting, controller: str, args: argparse.Namespace) -> list[dict]:
-    out = Path(args.out) / f"{setting.kl_mode}-lr{setting.learning_rate:g}-b{setting.kl_coef:g}-{controller}"
+def run_one(setting: Setting, controller: str, seed: int, push: bool, args: argparse.Namespace) -> list[dict]:
+    tag = f"{setting.kl_mode}-lr{setting.learning_rate:g}-b{setting.kl_coef:g}-{controller}-s{seed}" + (
+        "" if push else "-nopush")
+    out = Path(args.out) / tag
     cfg = TrainConfig(
-        steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
+        steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, seed=seed,
         max_new_tokens=args.max_new_tokens, micro_batch_size=args.prompts * args.group,
         learning_rate=setting.learning_rate, kl_coef=setting.kl_coef, kl_mode=setting.kl_mode,
-        kl_estimator="k3" if setting.kl_mode == "loss" else "k1", kl_controller=controller,
+        kl_estimator="k3" if setting.kl_mode == "loss" else "k1", kl_controller=controller, kl_push=push,
         kl_target=args.kl_target, kl_signal="exact", kl_bound=3.0, eval_size=0, checkpoint_every=0, out=str(out),
-        threads=args.threads,
+        threads=args.threads, overwrite=True,
     )
+    stamp = _results.stamp()  # the code the run ran, not the code when it ended
     if not (out / "summary.json").is_file():  # a finished run is read, not re-run
         train(cfg, progress=False)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if not args.quick:
+        _results.write("leash", {
+            "setting": setting.name, "learning_rate": setting.learning_rate, "kl_coef": setting.kl_coef,
+            "kl_mode": setting.kl_mode, "controller": controller, "seed": seed, "kl_push": push,
+            "kl_target": args.kl_target, "kl_bound": cfg.kl_bound, "prompts": args.prompts, "group": args.group,
+            "max_new_tokens": args.max_new_tokens, "threads": args.threads, **stamp,
+            "steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in records],
+        }, key=("setting", "controller", "seed", "kl_push", "kl_target"))
+    return records
 
 
 def row(records: list[dict], target: float) -> dict:
@@ -80,7 +98,8 @@ def row(records: list[dict], target: float) -> dict:
         "final_kl": sum(kls[-3:]) / len(kls[-3:]),
         "reward_gain": sum(tail) / len(tail) - records[0]["reward_mean"],
         "over_bound": sum(bool(r["kl_over_bound"]) for r in records),
-        "peak": max(kls) / target,
+        "rejected": sum(bool(r.get("step_rejected")) for r in records),
+        "peak": max(after) / target,
         "kls": kls,
     }
 
@@ -120,24 +139,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", default="", help="comma-separated 1-based indices of the settings to run "
                         "(default: all; the others are skipped, so parts of the grid can run in parallel)")
     parser.add_argument("--controllers", default=",".join(CONTROLLERS),
-                        help="comma-separated subset of constant,adaptive,target to run (default: all three)")
+                        help="comma-separated subset of constant,adaptive,target,budget (default: all four)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, each a run of every setting")
+    parser.add_argument("--push", choices=("on", "off", "both"), default="on", help="the budget's kl_push")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.group, args.max_new_tokens = 3, 2, 2, 8
     results: dict = {}
     begin = time.perf_counter()
-    print("| setting | controller | post-warm-up steps in band | final KL | reward gain | steps over kl_bound | "
-          "largest KL / target |")
-    print("|---|---|---|---|---|---|---|")
+    print("| setting | controller | push | seed | steps 5-16 in band | final KL | reward gain | kept over kl_bound | "
+          "rejected | largest KL / target |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     grid = settings(args.quick)
     if args.settings:
         grid = [grid[int(i) - 1] for i in args.settings.split(",")]
+    pushes = {"on": [True], "off": [False], "both": [True, False]}[args.push]
     for setting in grid:
         for controller in args.controllers.split(","):
-            res = row(run_one(setting, controller, args), args.kl_target)
-            results[setting.name, controller] = res
-            print(f"| {setting.name} | {controller} | {res['in_band']:.0%} | {res['final_kl']:.2f} | "
-                  f"{res['reward_gain']:+.3f} | {res['over_bound']} | {res['peak']:.2f} |", flush=True)
+            for push in pushes if controller == "budget" else [True]:
+                for seed in (int(x) for x in args.seeds.split(",")):
+                    res = row(run_one(setting, controller, seed, push, args), args.kl_target)
+                    results[setting.name, controller] = res
+                    print(f"| {setting.name} | {controller} | {'on' if push else 'off'} | {seed} | {res['in_band']:.0%} | "
+                          f"{res['final_kl']:.2f} | {res['reward_gain']:+.3f} | {res['over_bound']} | {res['rejected']} | "
+                          f"{res['peak']:.2f} |", flush=True)
     path = Path(args.out) / "leash.png"
     plot(results, args.controllers.split(","), args.kl_target, path)
     print(f"\nkl_target {args.kl_target} nats/answer, band +-{TARGET_BAND:.0%}; plot: {path}; "

@@ -11,21 +11,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tether.control import BudgetKLController, make_kl_controller
+from tether.control.budget import pull_under_ceiling
 
 
 class Plant:
-    """Weights on the line: ``kl(s)`` at the scale ``move`` last set (1 until moved)."""
+    """A ``Line`` and its ``measure``: ``kl(s)`` at the scale last placed (1 until moved); a
+    rejection returns to the step's start, whose KL is ``start_kl``."""
 
-    def __init__(self, kl):
-        self.kl, self.scale, self.moves, self.reads = kl, 1.0, [], 0
+    def __init__(self, kl, start_kl: float = 0.5):
+        self.kl, self.start_kl, self.scale, self.moves, self.reads, self.captures = kl, start_kl, 1.0, [], 0, 0
+        self.rejected, self.full_reads = False, 0
 
-    def move(self, scale: float) -> None:
+    def capture(self) -> None:
+        self.captures += 1
+
+    def place(self, scale: float) -> None:
         self.scale = scale
         self.moves.append(scale)
 
-    def measure(self) -> float:
+    def reject(self) -> None:
+        self.rejected, self.scale = True, 1.0
+
+    def measure(self, full: bool = False) -> float:
         self.reads += 1
-        return self.kl(self.scale)
+        self.full_reads += full
+        return self.start_kl * self.scale ** 2 if self.rejected else self.kl(self.scale)
+
+    def hold(self, ctl: BudgetKLController, **kw):
+        return ctl.hold(self, self.measure, **kw)
 
 
 def _ctl(**kw) -> BudgetKLController:
@@ -36,31 +49,33 @@ def _ctl(**kw) -> BudgetKLController:
 def test_weights_in_the_band_are_never_moved(kl_at_one):
     """Between 0.75 and 1.125 times the target the updated weights stay: one reading, no move."""
     plant = Plant(lambda s: kl_at_one * s * s)
-    move = _ctl().hold(plant.move, plant.measure)
+    move = plant.hold(_ctl())
     assert (plant.moves, plant.reads, move.scale, move.forwards) == ([], 1, 1.0, 1)
-    assert move.kl_before == move.kl_after == kl_at_one
+    assert move.kl_before == move.kl_kept == kl_at_one and not move.rejected
+    assert plant.captures == 0  # no copy of the weights when nothing moves
 
 
 def test_a_quadratic_kl_is_pulled_back_with_one_more_forward():
-    """KL = 8 s^2 at target 2: the first guess s = (2 / 8)^(1/2) = 0.5 lands exactly on 2."""
+    """KL = 8 s^2 at target 2: the first guess s = (2 / 8)^(1/2) = 0.5 lands exactly on 2; the
+    kept weights are then read over every answer (a third reading, ``full=True``)."""
     plant = Plant(lambda s: 8.0 * s * s)
-    move = _ctl().hold(plant.move, plant.measure)
-    assert plant.moves == [0.5] and move.scale == 0.5 and move.forwards == 2
-    assert move.kl_after == pytest.approx(2.0, abs=1e-12)
+    move = plant.hold(_ctl())
+    assert plant.moves == [0.5] and move.scale == 0.5 and move.forwards == 3
+    assert move.kl_kept == pytest.approx(2.0, abs=1e-12) and plant.full_reads == 2 and plant.captures == 1
 
 
 def test_a_lagging_kl_is_pushed_out_to_at_most_max_scale():
     """KL = 0.02 s^2: the guess 10 is cut to max_scale 4, where the KL is 0.32; nothing further
     is tried (4 was measured and is still under the target)."""
     plant = Plant(lambda s: 0.02 * s * s)
-    move = _ctl().hold(plant.move, plant.measure)
-    assert plant.moves == [4.0] and move.scale == 4.0 and move.kl_after == pytest.approx(0.32)
-    assert plant.reads == 2
+    move = plant.hold(_ctl())
+    assert plant.moves == [4.0] and move.scale == 4.0 and move.kl_kept == pytest.approx(0.32)
+    assert plant.reads == 3
 
 
 def test_max_scale_one_never_pushes():
     plant = Plant(lambda s: 0.02 * s * s)
-    assert _ctl(max_scale=1.0).hold(plant.move, plant.measure).scale == 1.0 and plant.moves == []
+    assert plant.hold(_ctl(push=False)).scale == 1.0 and plant.moves == []
 
 
 def test_the_exponent_is_refitted_from_two_readings():
@@ -68,36 +83,77 @@ def test_the_exponent_is_refitted_from_two_readings():
     so the next guess 0.5 * (2 / 0.5)^(1/4) = 0.7071 lands on 2 (to rounding)."""
     plant = Plant(lambda s: 8.0 * s ** 4)
     ctl = _ctl()
-    move = ctl.hold(plant.move, plant.measure)
+    move = plant.hold(ctl)
     assert plant.moves[0] == 0.5 and plant.moves[1] == pytest.approx(math.sqrt(0.5), rel=1e-12)
-    assert ctl.power == pytest.approx(4.0) and move.kl_after == pytest.approx(2.0, rel=1e-9)
+    assert ctl.power == pytest.approx(4.0) and move.kl_kept == pytest.approx(2.0, rel=1e-9)
 
 
 @settings(max_examples=200, deadline=None)
 @given(scale=st.floats(0.05, 50.0), power=st.floats(0.3, 6.0), wiggle=st.floats(0.0, 0.9),
        forwards=st.integers(2, 6))
-def test_the_kept_weights_are_never_over_the_top(scale, power, wiggle, forwards):
-    """Whatever the curve (non-monotone wiggles included), the KL of the weights kept is at most
-    the band's top, the weights are those of the last move, and no more than ``max_forwards``
-    readings are spent."""
+def test_kept_weights_are_under_the_top_or_the_update_is_rejected(scale, power, wiggle, forwards):
+    """Whatever the curve (non-monotone wiggles included): a move keeps the weights of the last
+    scale placed, read over every answer at most the band's top (the search's readings are exact
+    here); with no reading under the top the update is rejected (the step's start kept, scale 1),
+    never the reference; the search spends at most ``max_forwards`` readings, plus the full one."""
 
     def kl(s):
         return scale * s ** power * (1 + wiggle * math.sin(7 * s))
 
     plant = Plant(kl)
-    move = _ctl(max_forwards=forwards).hold(plant.move, plant.measure)
-    assert plant.reads == move.forwards <= forwards
-    assert plant.scale == move.scale
-    if move.scale != 1.0 or plant.moves:
-        assert move.kl_after == (kl(move.scale) if move.scale else 0.0)
-        assert move.kl_after <= 2.5
+    move = plant.hold(_ctl(max_forwards=forwards))
+    assert plant.reads == move.forwards <= forwards + 1
+    assert move.scale > 0
+    if move.rejected:
+        assert plant.rejected and move.scale == 1.0 and move.kl_kept == 0.5
+    else:
+        assert plant.scale == move.scale and move.kl_kept == kl(move.scale)
+        if plant.moves:
+            assert move.kl_kept <= 2.5
 
 
-def test_no_scale_under_the_top_falls_back_to_the_reference():
-    """A KL over the top at every scale tried: the weights go to scale 0 (KL 0 by construction)."""
+def test_no_scale_under_the_top_rejects_the_update():
+    """A KL over the top at every scale tried: the update is rejected, the weights the step started
+    from are kept (read once more over every answer, 0.5), the scale is 1 on their line, never 0."""
     plant = Plant(lambda s: 100.0 if s > 0 else 0.0)
-    move = _ctl(max_forwards=3).hold(plant.move, plant.measure)
-    assert move.scale == 0.0 and plant.scale == 0.0 and move.kl_after == 0.0 and move.forwards == 3
+    move = plant.hold(_ctl(max_forwards=3))
+    assert plant.rejected and move.rejected and move.scale == 1.0 and move.kl_kept == 0.5
+    assert move.forwards == 4 and 0.0 not in plant.moves
+    assert move.metrics()["step_rejected"] is True
+
+
+def test_a_ceiling_pulls_the_kept_weights_under_it():
+    """KL = s^2, target 2 without push: 1.0 is in the band, kept; a ceiling of 0.5 then captures the
+    weights and aims at min(2, 0.5) with KL ~ s^2: (0.5 / 1)^(1/2) = 0.707, more than half, so 0.5:
+    KL 0.25, one more reading over every answer."""
+    plant = Plant(lambda s: s * s)
+    move = plant.hold(_ctl(push=False), ceiling=0.5)
+    assert (move.scale, move.kl_kept, move.forwards, plant.captures) == (0.5, 0.25, 2, 1)
+
+
+def test_a_rejected_start_over_the_ceiling_is_pulled_under_it():
+    """Every scale reads 100 (top 2.5), so the update is rejected; the start reads 5 > ceiling 4. The
+    search's refit exponent hit its floor 0.5 (equal readings), so the pull aims at the target 2 with
+    (2 / 5)^(1 / 0.5) = 0.16 of the start's line: KL 5 * 0.16^2 = 0.128 on the plant's s^2 line."""
+    plant = Plant(lambda s: 100.0, start_kl=5.0)
+    move = plant.hold(_ctl(max_forwards=2), ceiling=4.0)
+    assert move.rejected and move.scale == pytest.approx(0.16) and move.kl_kept == pytest.approx(0.128)
+    assert plant.moves[-1] == move.scale and move.forwards == 4
+
+
+@pytest.mark.parametrize("where", ["first", "search"])
+def test_a_non_finite_reading_raises_naming_it(where):
+    """NaN at the updated weights raises before any move; NaN during the search raises naming the scale."""
+    plant = Plant((lambda s: math.nan) if where == "first" else (lambda s: 8.0 if s == 1.0 else math.nan))
+    with pytest.raises(ValueError, match="the reading of (the updated weights|scale 0.5) is nan"):
+        plant.hold(_ctl())
+    assert plant.moves == ([] if where == "first" else [0.5])
+
+
+def test_pull_under_ceiling_refuses_a_kl_that_does_not_shrink():
+    plant = Plant(lambda s: 9.0)
+    with pytest.raises(ValueError, match="did not fall under the ceiling 4"):
+        pull_under_ceiling(plant, plant.measure, 9.0, ceiling=4.0, aim=2.0)
 
 
 def test_beta_is_a_pi_rule_on_the_log_error():
@@ -125,7 +181,7 @@ def test_hold_steps_beta_from_the_kl_before_the_move():
     """The updated weights read 8 at target 2: e = log 4 = 1.39, clipped to 1; beta = 0.1 e^0.75."""
     plant = Plant(lambda s: 8.0 * s * s)
     ctl = _ctl()
-    ctl.hold(plant.move, plant.measure)
+    plant.hold(ctl)
     assert ctl.kl_coef == pytest.approx(0.1 * math.exp(0.75), rel=1e-12)
 
 
@@ -133,7 +189,7 @@ def test_state_round_trip_and_registry():
     ctl = make_kl_controller("budget", init_kl_coef=0.3, target=1.5)
     assert isinstance(ctl, BudgetKLController)
     plant = Plant(lambda s: 9.0 * s ** 3)
-    ctl.hold(plant.move, plant.measure)
+    plant.hold(ctl)
     other = make_kl_controller("budget", init_kl_coef=0.2, target=9.0)
     other.load_state_dict(ctl.state_dict())
     assert other.state_dict() == ctl.state_dict()
@@ -155,7 +211,8 @@ def test_drives_kl_coef_of_its_model():
 
 @pytest.mark.parametrize("kw, error, text", [
     ({"band": 1.0}, ValueError, "band: expected a finite number in (0, 1), got 1.0"),
-    ({"max_scale": 0.5}, ValueError, "max_scale: expected a finite number >= 1, got 0.5. 1 never pushes the KL up."),
+    ({"max_scale": 0.5}, ValueError, "max_scale: expected a finite number >= 1, got 0.5. push=False never pushes."),
+    ({"push": "no"}, TypeError, "push: expected True or False, got 'no'"),
     ({"max_forwards": 1}, ValueError, "max_forwards: expected an int >= 2, got 1. One measures the updated weights"),
     ({"target": 0}, ValueError, "target: expected a finite number > 0, got 0"),
     ({"init_kl_coef": 1e-6}, ValueError, "init_kl_coef: expected a finite number in [0.0001, 1000], got 1e-06"),

@@ -81,7 +81,7 @@ def test_end_to_end_writes_every_file(tmp_path):
     numbers = {k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert set(summary["units"]) == numbers, numbers ^ set(summary["units"])  # every number has its unit
     assert summary["units"]["eval_kl_per_seq"] == "nats per answer, summed over its tokens"
-    assert summary["units"]["steps_over_kl_bound"] == "training steps"
+    assert summary["units"]["steps_over_kl_bound"] == "training steps whose kept weights read over kl_bound"
     for key, _, _ in plotted_panels(yaml.safe_load((run / "config.yaml").read_text())):
         assert (run / "plots" / f"{key}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()

@@ -1,28 +1,26 @@
 """``BudgetKLController``: holds the KL budget by moving the update itself, and beta slowly.
 
-After each optimizer step the recipe hands ``hold`` a function that measures the mean KL per
-answer of the weights ``theta_ref + s * (theta - theta_ref)`` on the step's batch (one policy
-forward each). When the updated weights (``s = 1``) leave the band, ``hold`` searches the
-scale ``s`` that lands on the target: ``s < 1`` pulls the policy toward the reference (WARP's
-interpolation, arXiv 2406.16768), ``s > 1`` pushes it out when the KL lags below the band.
-``s = 0`` is the reference, KL 0, so a move under the band's top always exists: when the
-search runs out of forwards it keeps the largest measured scale under the top, else 0.
-The search models the KL as ``c * s**p`` (``p = 2`` at first: the KL is quadratic in the
-weights around the reference), refits ``p`` from the last two measurements and keeps a
-bracket; TRPO's backtracking line search is the other anchor, here aimed at a target.
+After each optimizer step ``hold`` reads the mean KL per answer of the updated weights on the
+step's batch. Outside the band it searches the scale ``s`` of ``theta_ref + s (theta - theta_ref)``
+that lands on the target (WARP's interpolation, arXiv 2406.16768, aimed at a KL; TRPO's
+backtracking is the other anchor), modelling the KL as ``c s**p`` with ``p`` refitted from the
+last two readings. ``s > 1`` pushes a lagging KL out, only with ``push``. A search that finds no
+scale under the band's top rejects the update: the weights and optimizer state the step started
+from are kept, never the reference. Whatever was kept, a ceiling (``kl_bound``) is then enforced
+with readings over every answer, pulling the kept weights back along their own line.
 
-beta stays the penalty that shapes each update's direction, and adapts slowly: a PI rule on
-``log beta`` driven by ``e = log(kl_before / target)``. ``ReferenceLine`` holds the line: a LoRA
-policy whose reference is its adapter switched off scales each ``lora_B`` by ``s`` (exact);
-any other reference is paired parameter by parameter, shard by shard under FSDP2. The
-measured choices (scales toward the reference; Adam's moments kept) are on the leash page.
+beta stays the penalty that shapes each update's direction and adapts slowly: a PI rule on
+``log beta`` driven by ``log(kl_before / target)``. ``ReferenceLine`` holds the weights' line for
+a model: a LoRA policy whose reference is its adapter switched off scales each ``lora_B``
+(exact); any other reference is paired parameter by parameter, shard by shard under FSDP2.
+Measurements behind each choice are on the leash page.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -31,21 +29,53 @@ from tether.control.kl_io import check_state_keys, control_targets, mean_sequenc
 from tether.models.reference import AdapterDisabledReference, tracked_pairs
 from tether.ops.checks import real_number, whole_number
 
-__all__ = ["BudgetKLController", "BudgetMove", "ReferenceLine"]
+__all__ = ["BudgetKLController", "BudgetMove", "Line", "ReferenceLine", "pull_under_ceiling"]
+
+# Readings the ceiling may spend pulling kept weights back; each aims at the target, so one
+# is the rule (the KL shrinks with the scale) and a curve that does not shrink is an error.
+CEILING_READINGS = 8
+
+
+class Line(Protocol):
+    """The weights the controller moves: points ``anchor + s * (candidate - anchor)``."""
+
+    def capture(self) -> None:
+        """Take the current weights as the candidate (``s = 1``)."""
+
+    def place(self, scale: float) -> None:
+        """Set the weights to ``anchor + scale * (candidate - anchor)``."""
+
+    def reject(self) -> None:
+        """Set the weights (and optimizer state) back to the step's start; they become the candidate."""
+
+
+Measure = Callable[..., float]  # measure(full: bool = False) -> mean KL per answer of the current weights
 
 
 @dataclass(frozen=True)
 class BudgetMove:
-    """One step's move: the KL per answer before and after it, the scale kept, forwards spent."""
+    """One step's leash: the KL per answer of the updated weights and of the weights kept, the scale
+    kept on the candidate's line (the update's, or the step's start when rejected), readings spent."""
 
     kl_before: float
-    kl_after: float
+    kl_kept: float
     scale: float
     forwards: int
+    rejected: bool = False
 
-    def metrics(self) -> dict[str, float]:
-        return {"kl_move_before_per_seq": self.kl_before, "kl_move_after_per_seq": self.kl_after,
-                "kl_move_scale": self.scale, "kl_move_forwards": float(self.forwards)}
+    def metrics(self) -> dict[str, Any]:
+        return {"kl_move_before_per_seq": self.kl_before, "kl_kept_per_seq": self.kl_kept,
+                "kl_move_scale": self.scale, "kl_move_forwards": float(self.forwards),
+                "step_rejected": self.rejected}
+
+
+def _finite(kl: float, what: str) -> float:
+    if not math.isfinite(kl):
+        raise ValueError(
+            f"KL leash: the reading of {what} is {kl}; the weights were not moved by it. A non-finite KL "
+            "comes from non-finite weights (lower learning_rate, set grad_clip) or a reference whose log-probs "
+            "are -inf at an answer token (check the reference model and the temperature).")
+    return kl
 
 
 class BudgetKLController:
@@ -57,22 +87,24 @@ class BudgetKLController:
         model: optional object, or list/tuple of objects, with a read/write ``kl_coef``.
         band: half-width of the band as a fraction of ``target``, in ``(0, 1)``; the weights
             move when the updated KL leaves ``[target * (1 - band), target * (1 + band / 2)]``
-            and the search stops within ``target * (1 +- band / 2)``.
-        max_scale: largest scale a lagging KL may be pushed out by (>= 1; 1 never pushes).
-        max_forwards: most KL measurements a step (>= 2: the updated weights and one move).
+            (below only with ``push``) and the search stops within ``target * (1 +- band / 2)``.
+        push: whether a KL lagging under the band is pushed out (scales above 1).
+        max_scale: largest scale a push may reach (>= 1).
+        max_forwards: most KL readings the search spends (>= 2: the updated weights and one move).
         gain, integral_gain: the PI gains on ``log beta`` (>= 0); beta moves by at most
             ``exp(gain + integral_gain)`` a step (the error is clipped to +-1).
         min_coef, max_coef: bounds on beta, ``0 < min_coef <= max_coef``.
     """
 
-    _CONFIG = ("target", "band", "max_scale", "max_forwards", "gain", "integral_gain", "min_coef", "max_coef")
+    _CONFIG = ("target", "band", "push", "max_scale", "max_forwards", "gain", "integral_gain", "min_coef",
+               "max_coef")
     _STATE_KEYS = ("kl_coef", *_CONFIG, "integral", "power")
 
     def __init__(self, *, init_kl_coef: float, target: float, model: Any = None, band: float = 0.25,
-                 max_scale: float = 4.0, max_forwards: int = 4, gain: float = 0.5, integral_gain: float = 0.25,
-                 min_coef: float = 1e-4, max_coef: float = 1e3) -> None:
-        self._configure(dict(target=target, band=band, max_scale=max_scale, max_forwards=max_forwards, gain=gain,
-                             integral_gain=integral_gain, min_coef=min_coef, max_coef=max_coef))
+                 push: bool = True, max_scale: float = 4.0, max_forwards: int = 4, gain: float = 0.5,
+                 integral_gain: float = 0.25, min_coef: float = 1e-4, max_coef: float = 1e3) -> None:
+        self._configure(dict(target=target, band=band, push=push, max_scale=max_scale, max_forwards=max_forwards,
+                             gain=gain, integral_gain=integral_gain, min_coef=min_coef, max_coef=max_coef))
         self._coef = real_number("init_kl_coef", init_kl_coef, low=self.min_coef, high=self.max_coef,
                                  fix="Start inside [min_coef, max_coef] or widen them.")
         self.integral = math.log(self._coef)  # the I part of log beta
@@ -83,7 +115,10 @@ class BudgetKLController:
     def _configure(self, config: dict[str, Any]) -> None:
         self.target = real_number("target", config["target"], low=0.0, low_open=True)
         self.band = real_number("band", config["band"], low=0.0, low_open=True, high=1.0, high_open=True)
-        self.max_scale = real_number("max_scale", config["max_scale"], low=1.0, fix="1 never pushes the KL up.")
+        if not isinstance(config["push"], bool):
+            raise TypeError(f"push: expected True or False, got {config['push']!r}; pass a bool.")
+        self.push = config["push"]
+        self.max_scale = real_number("max_scale", config["max_scale"], low=1.0, fix="push=False never pushes.")
         self.max_forwards = whole_number("max_forwards", config["max_forwards"], low=2,
                                          fix="One measures the updated weights, one a move.")
         self.gain = real_number("gain", config["gain"], low=0.0)
@@ -97,6 +132,11 @@ class BudgetKLController:
 
     coef = kl_coef
 
+    @property
+    def top(self) -> float:
+        """The band's top, ``target * (1 + band)``: the most a search may keep."""
+        return self.target * (1 + self.band)
+
     # ------------------------------------------------------------------ beta
     def update(self, kl_values: Any = None, n_steps: int | None = None) -> float:
         """PI step of ``log beta`` on ``log(KL / target)`` (inputs as ``AdaptiveKLController.update``)."""
@@ -109,43 +149,58 @@ class BudgetKLController:
         return self._coef
 
     # ------------------------------------------------------------------ the move
-    def hold(self, move: Callable[[float], None], measure: Callable[[], float]) -> BudgetMove:
-        """Measure the updated weights; if their KL left the band, move them into it; step beta.
+    def hold(self, line: Line, measure: Measure, *, ceiling: float = math.inf) -> BudgetMove:
+        """Read the updated weights; if their KL left the band, move them into it (or reject the
+        update); keep them under ``ceiling``; step beta from the updated weights' KL.
 
-        ``move(s)`` sets the weights to ``theta_ref + s * (theta - theta_ref)`` of the updated
-        ``theta`` (``move(1.0)`` restores them exactly); ``measure()`` returns the current
-        weights' mean KL per answer. Weights the band holds are never touched."""
-        kl_before = measure()
+        ``measure(full=False)`` returns the current weights' mean KL per answer; ``full=True``
+        asks for a reading over every answer (a cheaper estimate may answer ``full=False``).
+        Weights the band holds are never touched, and nothing moves before a reading is finite."""
+        kl_before = _finite(measure(full=True), "the updated weights")
         points = {1.0: kl_before}
-        act_low = self.target * (1 - self.band) if self.max_scale > 1 else -math.inf
-        scale = 1.0
-        if not act_low <= kl_before <= self.target * (1 + self.band / 2):
-            scale = self._search(move, measure, points)
+        scale, kept, rejected = 1.0, kl_before, False
+        low = self.target * (1 - self.band) if self.push else -math.inf
+        if not low <= kl_before <= self.target * (1 + self.band / 2):
+            line.capture()  # the candidate is copied only when a move follows
+            found = self._search(line.place, measure, points)
+            if found is None:
+                line.reject()
+                scale, rejected, kept = 1.0, True, _finite(measure(full=True), "the step's starting weights")
+            else:
+                scale, kept = found, (kl_before if found == 1.0 else _finite(measure(full=True), f"scale {found:g}"))
+        forwards = len(points) + (scale != 1.0 or rejected)
+        if kept > ceiling:
+            factor, kept, spent = pull_under_ceiling(line, measure, kept, ceiling=ceiling, aim=self.target,
+                                                     power=self.power)
+            scale, forwards = scale * factor, forwards + spent
         self.update(torch.tensor([kl_before], dtype=torch.float64))
-        return BudgetMove(kl_before, points.get(scale, 0.0), scale, len(points))
+        return BudgetMove(kl_before, kept, scale, forwards, rejected)
 
-    def _search(self, move: Callable[[float], None], measure: Callable[[], float], points: dict[float, float]) -> float:
-        """The scale kept: the first measured within ``target * (1 +- band / 2)``; failing that,
-        the largest measured under the band's top, or 0 (the reference) when none is."""
-        near, top = self.target * self.band / 2, self.target * (1 + self.band)
+    def _search(self, move: Callable[[float], None], measure: Measure, points: dict[float, float]) -> float | None:
+        """The scale kept: the first measured within ``target * (1 +- band / 2)``; failing that, the
+        largest measured under the band's top; None (reject) when no reading is under it."""
+        near = self.target * self.band / 2
         lo, hi, last = 0.0, math.inf, 1.0  # KL(lo) <= target < KL(hi); KL(0) = 0
+        reach = self.max_scale if self.push else 1.0
         while len(points) < self.max_forwards:
             kl = points[last]
             lo, hi = (lo, min(hi, last)) if kl > self.target else (max(lo, last), hi)
-            guess = min(last * (self.target / kl) ** (1 / self.power) if kl > 0 else math.inf, self.max_scale)
+            guess = min(last * (self.target / kl) ** (1 / self.power) if kl > 0 else math.inf, reach)
             if not lo < guess < hi:
-                guess = (lo + hi) / 2 if math.isfinite(hi) else self.max_scale
+                guess = (lo + hi) / 2 if math.isfinite(hi) else reach
             if guess in points:
-                break  # pushed to max_scale and still under the target
+                break  # pushed to the reach and still under the target
             move(guess)
-            points[guess] = measure()
+            points[guess] = _finite(measure(), f"scale {guess:g}")
             if points[guess] > 0 and kl > 0:  # refit the exponent on the last two points
                 self.power = min(max(math.log(points[guess] / kl) / math.log(guess / last), 0.5), 4.0)
             last = guess
             if abs(points[guess] - self.target) <= near:
                 return guess
-        under = [s for s, kl in points.items() if kl <= top]
-        best = max(under, key=lambda s: (abs(points[s] - self.target) <= near, s)) if under else 0.0
+        under = [s for s, kl in points.items() if kl <= self.top]
+        if not under:
+            return None
+        best = max(under, key=lambda s: (abs(points[s] - self.target) <= near, s))
         if best != last:
             move(best)
         return best
@@ -168,8 +223,36 @@ class BudgetKLController:
         return f"{type(self).__name__}(kl_coef={self._coef}, {config})"
 
 
+def pull_under_ceiling(line: Line, measure: Measure, kl: float, *, ceiling: float, aim: float,
+                       power: float = 2.0) -> tuple[float, float, int]:
+    """Pull the current weights (reading ``kl`` > ``ceiling``) back along their line to the
+    reference until a reading over every answer is at most ``ceiling``.
+
+    Each try aims at ``min(aim, ceiling)`` with the model ``KL ~ s**power`` and at most halves
+    the scale. Returns ``(scale, kl, readings)``: the scale kept relative to the weights given,
+    its KL, the readings spent. A KL that does not shrink along the line raises ``ValueError``."""
+    goal, scale, seen = min(aim, ceiling), 1.0, [kl]
+    line.capture()
+    for spent in range(1, CEILING_READINGS + 1):
+        scale *= min((goal / kl) ** (1 / power), 0.5)
+        line.place(scale)
+        kl = _finite(measure(full=True), f"scale {scale:g} under the ceiling")
+        seen.append(kl)
+        if kl <= ceiling:
+            return scale, kl, spent
+    raise ValueError(
+        f"kl_bound: the KL did not fall under the ceiling {ceiling:g} along the line to the reference (readings "
+        f"{[round(v, 4) for v in seen]} down to scale {scale:.3g}); the KL reading does not shrink toward the "
+        "reference. Check that the reference is the model the policy started from.")
+
+
 class ReferenceLine:
-    """The trainable weights of ``policy`` on the line from ``reference`` through their current values."""
+    """The trainable weights of ``policy`` on the line from ``reference`` through a candidate, and
+    the step's start (weights and optimizer state) to reject an update.
+
+    Copies: ``start`` takes the trainable weights and the optimizer's state (what a rejection
+    restores); ``capture`` copies the weights on the line only when a move follows. ``release``
+    drops both after the step. Points are computed in float32 at least (bf16 lerps lose moves)."""
 
     def __init__(self, policy: nn.Module, reference: nn.Module) -> None:
         if isinstance(reference, AdapterDisabledReference):
@@ -177,10 +260,19 @@ class ReferenceLine:
         else:
             self._pairs = [(param, anchor) for param, anchor in tracked_pairs(policy, reference).values()]
         self._captured: list[torch.Tensor] | None = None
+        self._start: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    @torch.no_grad()
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy every parameter ``optimizer`` trains, and its state, before the step's update."""
+        self._optimizer = optimizer
+        self._start = [(p, p.detach().clone(), _copy_state(optimizer.state.get(p, {})))
+                       for group in optimizer.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def capture(self) -> None:
-        """Take the current weights as ``s = 1`` (a copy of each moved tensor)."""
+        """Take the current weights as ``s = 1`` (a copy of each tensor on the line)."""
         self._captured = [param.detach().clone() for param, _ in self._pairs]
 
     @torch.no_grad()
@@ -191,10 +283,32 @@ class ReferenceLine:
         for (param, anchor), value in zip(self._pairs, self._captured):
             if scale == 1.0:
                 param.copy_(value)
-            elif anchor is None:
-                param.copy_(value * scale)
-            else:
-                param.copy_(torch.lerp(anchor.to(value.dtype), value, scale))
+                continue
+            wide = torch.promote_types(value.dtype, torch.float32)
+            point = value.to(wide) * scale if anchor is None else torch.lerp(anchor.to(wide), value.to(wide), scale)
+            param.copy_(point)
+
+    @torch.no_grad()
+    def reject(self) -> None:
+        """Restore the weights and optimizer state ``start`` copied; they become the candidate."""
+        if self._start is None or self._optimizer is None:
+            raise RuntimeError("ReferenceLine.reject: no start was taken; call start(optimizer) before the update.")
+        for param, weights, state in self._start:
+            param.copy_(weights)
+            if state:
+                self._optimizer.state[param] = state
+            else:  # the run's first step: the optimizer starts afresh, as if it had never stepped
+                self._optimizer.state.pop(param, None)
+        self._start = None  # handed over: a second reject has nothing to restore
+        self.capture()
+
+    def release(self) -> None:
+        """Drop the copies (after the step)."""
+        self._captured = self._start = self._optimizer = None
+
+
+def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _adapter_pairs(policy: nn.Module) -> list[tuple[torch.Tensor, None]]:

@@ -451,12 +451,18 @@ def best_root(run_dir: Path, *, required: bool = False) -> Path:
 
 def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
     """Every ``eval_every`` steps: ``eval_accuracy`` into the step's ``record``; True on a new best."""
-    from tether.train.metrics import due, evaluate
+    from tether.train.metrics import due, eval_seed, evaluate, sampled_kl
 
     cfg = run.cfg
     if not due(cfg.eval_every, done):
         return False
-    record["eval_accuracy"] = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
-                                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature,
-                                       with_kl=False, reward=run.reward, prompt_format=cfg.prompt_format).accuracy
+    result = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
+                      max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, with_kl=False,
+                      reward=run.reward, prompt_format=cfg.prompt_format)
+    record["eval_accuracy"] = result.accuracy
+    if run.held_out:
+        record["eval_kl_sampled_per_seq"] = sampled_kl(
+            run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
+            max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, prompt_format=cfg.prompt_format,
+            seed=eval_seed(cfg.seed, done))
     return run.best.offer(done, record["eval_accuracy"])

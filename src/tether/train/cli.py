@@ -200,7 +200,7 @@ def _raised_in(exc: BaseException) -> str | None:
 def _print_summary(summary: dict) -> None:
     print("\n== tether train: summary ==")
     for key, value in summary.items():
-        if key == "units":  # in summary.json, for the reader of the file
+        if key == "units" or isinstance(value, list):  # in summary.json, for the reader of the file
             continue
         shown = f"{value:.4f}" if isinstance(value, float) else value
         print(f"  {key:26s} {shown}")

@@ -93,7 +93,11 @@ class TrainConfig:
     kl_horizon: int = _f(2000, "Adaptive controller horizon, in sequences.")
     kl_signal: str = _f("exact", "KL that kl_bound and the summary read: 'exact' (full-vocabulary KL at the answer tokens, computed in the loss pass from the reference's hidden states: two head projections, no extra forward) or 'sampled' (k1 along the sampled answers). Both are logged (kl_exact_* and kl_*); Ray runs and soft-capped heads have only the sampled one.")
     kl_control_signal: str = _f("sampled", "KL the controller reads: 'sampled' (k1 of the batch about to be trained on, known before its update: beta acts one step sooner) or 'exact' (the full-vocabulary KL from the loss pass, known after the update: less noise, one step later). Sampled suits batches of dozens of answers or more; exact suits small noisy batches. kl_controller=budget reads neither: it measures the updated weights.")
-    kl_bound: float = _f(4.0, "Bound on the per-sequence KL (nats): steps above it are flagged (kl_over_bound) and counted in the summary.")
+    kl_bound: float = _f(4.0, "Ceiling on the KL per answer (nats) of the weights kept: after every update they are read on the step's answers (kl_kept_per_seq) and, above it, pulled back along the line to the reference, whatever the controller; 0 turns the ceiling off (kl_over_bound then never set).")
+    kl_push: bool = _f(True, "kl_controller=budget: whether a KL lagging under the band is pushed up by scaling the update out (up to kl_max_scale); false only pulls back.")
+    kl_band: float = _f(0.25, "kl_controller=budget: half-width of the band as a fraction of kl_target; the weights move when the KL leaves [1 - kl_band, 1 + kl_band / 2] x kl_target and a search keeps at most (1 + kl_band) x kl_target, which must not exceed kl_bound.")
+    kl_max_scale: float = _f(4.0, "kl_controller=budget with kl_push: the largest factor a push may scale the update by (>= 1).")
+    kl_max_forwards: int = _f(4, "kl_controller=budget: most KL readings a step's search spends (>= 2); a search that finds nothing under the band's top rejects the update (step_rejected).")
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
@@ -209,8 +213,11 @@ _RANGES: dict[str, dict[str, Any]] = {
                                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
                                      "warmup_steps", "eval_every", "log_completions_every", "max_turns", "max_resample",
                                      "max_episode_tokens")},
-    **{name: {"low": 0, "low_open": True} for name in ("learning_rate", "temperature", "kl_target", "kl_bound",
-                                                       "importance_cap")},
+    **{name: {"low": 0, "low_open": True} for name in ("learning_rate", "temperature", "kl_target", "importance_cap")},
+    "kl_bound": {"low": 0, "fix": "0 turns the ceiling off."},
+    "kl_band": {"low": 0, "low_open": True, "high": 1, "high_open": True},
+    "kl_max_scale": {"low": 1, "fix": "1 never pushes; or set kl_push=false."},
+    "kl_max_forwards": {"low": 2, "fix": "One reads the updated weights, one a move."},
     "ray_timeout": {"low": 0, "low_open": True, "fix": "It is in seconds."},
     "clip_epsilon": {"low": 0, "low_open": True, "high": 1, "high_open": True},
     "reference_alpha": {"low": 0, "low_open": True, "high": 1},
@@ -227,6 +234,11 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
     if cfg.warmup_steps > cfg.steps:
         p.append(f"warmup_steps: {cfg.warmup_steps} is more than steps ({cfg.steps}), so the learning rate "
                  "would never reach learning_rate; lower warmup_steps")
+    top = (1 + cfg.kl_band) * cfg.kl_target
+    if cfg.kl_controller == "budget" and cfg.kl_bound and top > cfg.kl_bound:
+        p.append(f"kl_bound: the budget may keep weights up to (1 + kl_band) x kl_target = {top:g} nats per answer, "
+                 f"above kl_bound = {cfg.kl_bound:g}; raise kl_bound to at least {top:g}, or lower kl_target to at most "
+                 f"{cfg.kl_bound / (1 + cfg.kl_band):g} (or kl_band)")
     if cfg.dual_clip:
         p.extend(problems(real_number, "dual_clip", cfg.dual_clip, low=1, low_open=True, fix="0 turns it off."))
     return p

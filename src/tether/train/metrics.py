@@ -55,11 +55,12 @@ OPTIONAL_PLOTTED: tuple[tuple[str, str, str], ...] = (
     ("tool_call_rate", "Episodes calling a tool", "fraction"),
     ("tool_error_rate", "Tool calls that failed", "fraction"),
     ("turns_per_episode", "Assistant turns per episode", "turns"),
-    ("kl_move_scale", "KL budget: scale kept (1 = update untouched)", "scale s"),
-    ("kl_move_forwards", "KL budget: policy forwards spent", "forwards"),
+    ("kl_move_scale", "KL leash: scale kept (1 = update untouched)", "scale s"),
+    ("kl_move_forwards", "KL leash: policy forwards spent", "forwards"),
+    ("kl_behaviour_per_token", "Sampler-learner KL (per token)", "nats"),
 )
-# The KL panel's extra curves: the exact KL and, under the budget, the KL before and after its move.
-_KL_EXTRA = ("kl_exact_per_seq", "kl_move_before_per_seq", "kl_move_after_per_seq")
+# The KL panel's extra curves: the exact KL, the updated weights' KL and the kept weights' KL.
+_KL_EXTRA = ("kl_exact_per_seq", "kl_move_before_per_seq", "kl_kept_per_seq")
 
 
 def plotted_for(records: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
@@ -131,7 +132,8 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
-# Fraction of the target that counts as holding it: the band drawn on the KL plot (+-25 %).
+# Fraction of the target that counts as holding it for a controller of beta (+-25 %), drawn on the
+# KL plot of the target and adaptive controllers and read by the leash benchmarks.
 TARGET_BAND = 0.25
 
 
@@ -145,7 +147,14 @@ def _draw_kl_guides(ax, config: dict[str, Any], curves: dict[str, tuple[list[int
     if isinstance(bound, (int, float)):
         ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label="kl_bound")
     target = config.get("kl_target")
-    if config.get("kl_controller") in ("adaptive", "target", "budget") and isinstance(target, (int, float)):
+    if not isinstance(target, (int, float)):
+        pass
+    elif config.get("kl_controller") == "budget":  # the band the budget acts on, and the most a move keeps
+        band = config.get("kl_band", TrainConfig.kl_band)
+        low = target * (1 - band) if config.get("kl_push", TrainConfig.kl_push) else 0.0
+        ax.axhspan(low, target * (1 + band / 2), color="tab:green", alpha=0.15, label="budget: weights not moved")
+        ax.axhline(target * (1 + band), color="tab:green", linestyle=":", linewidth=1, label="budget: most kept")
+    elif config.get("kl_controller") in ("adaptive", "target"):
         ax.axhspan(target * (1 - TARGET_BAND), target * (1 + TARGET_BAND), color="tab:green", alpha=0.15,
                    label=f"kl_target +-{TARGET_BAND:.0%}")
     ax.legend(loc="upper left", fontsize=8)
@@ -328,6 +337,8 @@ class EvalResult:
     tools: dict[str, float] = field(default_factory=dict)
     reward: float | None = None  # mean reward over the held-out answers
     rewards: dict[str, float] = field(default_factory=dict)  # each reward function's mean where it applied
+    kl_sampled_per_seq: float | None = None  # exact KL per answer sampled at the training temperature
+    per_problem: list[float] | None = None  # each problem's correctness (1 right, 0 wrong), greedy, in order
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -347,9 +358,12 @@ def evaluate(
     reward: Any = None,
     prompt_format: str = "chat",
     progress: bool = False,
+    sample_seed: int | None = None,
 ) -> EvalResult:
     """Greedy accuracy and reward on ``problems`` (``reward``: the task's reward when None) and
-    (optionally) the exact KL along the answers; ``progress`` shows a bar over the problems."""
+    (optionally) the exact KL along the answers; ``progress`` shows a bar over the problems. With
+    ``sample_seed`` and a reference, also the exact KL per answer of one answer per problem sampled
+    at ``temperature`` (``kl_sampled_per_seq``), drawn from its own generator."""
     wrapper = TransformersWrapper(
         policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
         temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
@@ -383,6 +397,7 @@ def evaluate(
     n = len(problems)
     return EvalResult(
         accuracy=float(torch.cat(correct).mean()) if n and correct[0] is not None else None,
+        per_problem=torch.cat(correct).tolist() if n and correct[0] is not None else None,
         kl_per_token=float(kl_sum) / max(tokens_total, 1),
         kl_per_seq=float(kl_sum) / max(n, 1),
         response_length=tokens_total / max(n, 1),
@@ -390,7 +405,34 @@ def evaluate(
         tools=tool_metrics(torch.cat(episodes).get("episode", None)) if tool_rollout is not None else {},
         reward=float(torch.cat(totals).mean()) if n else None,
         rewards={k: float(torch.cat([f[k] for f in per_function]).nanmean()) for k in (per_function[0] if n else {})},
+        kl_sampled_per_seq=None if sample_seed is None or reference is None or not n else sampled_kl(
+            policy, reference, tokenizer, task, problems, max_new_tokens=max_new_tokens, temperature=temperature,
+            prompt_format=prompt_format, seed=sample_seed),
     )
+
+
+@torch.no_grad()
+def sampled_kl(policy: nn.Module, reference: nn.Module, tokenizer, task: Task | Any, problems: list[Problem], *,
+               max_new_tokens: int, temperature: float, prompt_format: str, seed: int) -> float:
+    """Mean exact KL(pi || pi_ref) per answer, summed over its tokens, of one answer per problem
+    sampled from ``policy`` at ``temperature``: what the leash holds on the training batches, on
+    prompts it never trained on. The generator is its own (``seed``): the run's draws are untouched."""
+    device = next(policy.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    wrapper = TransformersWrapper(
+        policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
+        temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "generator": generator},
+    )
+    tool_rollout = make_tool_rollout(task, wrapper)
+    rollout = wrapper if tool_rollout is None else tool_rollout
+    total = torch.zeros((), dtype=torch.float64)
+    for begin, end in row_slices(len(problems), _EVAL_BATCH):
+        td = rollout(prompt_batch(problems[begin:end], prompt_format))
+        response = td["masks", "all_assistant_mask"].bool()
+        kl = exact_kl_tokens(policy, reference, td["tokens", "full"], td["masks", "all_attention_mask"],
+                             temperature=temperature, where=response)
+        total += (kl.double() * response.to(kl.device)).sum().cpu()
+    return float(total) / len(problems)
 
 
 # ------------------------------------------------------------------------------ summary
@@ -400,9 +442,14 @@ def evaluate_run(run: Run, reference: Any, with_kl: bool = True, progress: bool 
         return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
                         max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
                         with_kl=with_kl, reward=run.reward, prompt_format=run.cfg.prompt_format,
-                        progress=progress).as_dict()
+                        progress=progress, sample_seed=eval_seed(run.cfg.seed, run.cfg.steps)).as_dict()
     except RewardError as exc:
         raise with_checkpoints(exc, run.dir) from exc
+
+
+def eval_seed(seed: int, step: int) -> int:
+    """The seed of the held-out samples after ``step`` steps of a run seeded ``seed``."""
+    return seed * 1_000_003 + step + 1
 
 
 def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:
@@ -423,11 +470,15 @@ def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, 
            for name, value in result.get("rewards", {}).items()},
         "eval_kl_per_token": after["kl_per_token"],
         "eval_kl_per_seq": after["kl_per_seq"],
+        "eval_kl_sampled_per_seq": after.get("kl_sampled_per_seq"),
+        "per_problem_before": before.get("per_problem"),
+        "per_problem_after": after.get("per_problem"),
         "final_train_kl_per_seq": final_kl,
         "final_train_kl_exact_per_seq": _tail_mean(tail, "kl_exact_per_seq"),
         "kl_bound": run.cfg.kl_bound,
-        "kl_within_bound": (_tail_mean(tail, "kl_exact_per_seq") or final_kl) <= run.cfg.kl_bound,
+        "kl_within_bound": not run.cfg.kl_bound or all(not r.get("kl_over_bound") for r in records),
         "steps_over_kl_bound": sum(bool(r.get("kl_over_bound")) for r in records),
+        "steps_rejected": sum(bool(r.get("step_rejected")) for r in records),
         "final_kl_coef": float(run.leash.kl_coef),
         "seconds_this_process": seconds,
         "seconds_in_steps": sum(r.get("step_time", 0.0) for r in records),
@@ -446,9 +497,12 @@ _SUMMARY_UNITS: tuple[tuple[str, str], ...] = (
     ("reward/", "mean of this reward function over the held-out problems"),
     ("reward_", "mean reward over the held-out problems"),
     ("kl_per_token", "nats per answer token (exact over the vocabulary)"),
+    ("kl_sampled_per_seq", "nats per held-out answer sampled at the training temperature, summed over its tokens "
+                           "(exact over the vocabulary)"),
     ("kl_exact_per_seq", "nats per answer, summed over its tokens (exact over the vocabulary)"),
     ("kl_per_seq", "nats per answer, summed over its tokens"),
-    ("steps_over_kl_bound", "training steps"),
+    ("steps_over_kl_bound", "training steps whose kept weights read over kl_bound"),
+    ("steps_rejected", "training steps whose update was rejected"),
     ("kl_bound", "nats per answer"),
     ("kl_coef", "beta, the KL penalty's weight"),
     ("seconds_this_process", "seconds of wall clock in the process that wrote this file (a resumed run's "

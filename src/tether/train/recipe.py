@@ -29,8 +29,8 @@ from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
 from tether.train.tasks import Problem, tool_metrics, tool_rollout
-from tether.train.updates import (Update, check_finite_update, has_exact_kl, hold_kl_budget, measure_kl, minibatch_bounds,
-                                  store_old_log_probs)
+from tether.train.updates import (Update, behaviour_kl, check_finite_update, has_exact_kl, hold_kl_budget, mark_step_start,
+                                  measure_kl, minibatch_bounds, store_old_log_probs)
 
 Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
@@ -186,8 +186,9 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         run.controller.update(sampled_kl)
     add_advantages(run, record)
     kl_coef, lr = float(run.leash.kl_coef), run.optimizer.param_groups[0]["lr"]
+    mark_step_start(run)  # kl_controller=budget: what a rejected update returns to
     update = optimize(run, record, step)
-    move = hold_kl_budget(run, record)  # kl_controller=budget: the update moved into the band, beta from it
+    move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
     run.scheduler.step()
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
     if cfg.kl_control_signal == "exact" and run.line is None:  # known only now: beta for the next update
@@ -202,7 +203,8 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         "step": step + 1, "reward_mean": float(rewards.total.mean()), "reward_std": float(rewards.total.std()),
         **({} if rewards.correct is None else {"accuracy": float(rewards.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in rewards.per_function.items()},
-        **kl.metrics(cfg.kl_bound), "kl_coef": kl_coef, **move, **drawn,
+        **kl.metrics(cfg.kl_bound, kept=move.get("kl_kept_per_seq")), "kl_coef": kl_coef, **move, **drawn,
+        "kl_behaviour_per_token": behaviour_kl(update.terms),
         "clip_fraction": float(out.clip_fraction), "ess": float(out.ESS), "entropy": float(out.entropy),
         "response_length": float(update.terms.mask.sum(-1).float().mean()), "grad_norm": update.grad_norm, "lr": lr,
         "loss": float(out.total_loss()), "step_time": elapsed,

@@ -79,7 +79,7 @@ class Run:
     best: BestEval = field(default_factory=BestEval)
     tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
     ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's processes (tether.train.sharding)
-    line: ReferenceLine | None = None  # kl_controller=budget: the weights it moves toward the reference
+    line: ReferenceLine | None = None  # the weights the budget and the ceiling kl_bound move toward the reference
     excluded: frozenset[str] = field(init=False)  # keys of the held-out problems, never drawn for training
 
     def __post_init__(self) -> None:
@@ -89,7 +89,8 @@ class Run:
 def _controller(cfg: TrainConfig, leash: Leash) -> Any:
     options = {"adaptive": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target, "horizon": cfg.kl_horizon},
                "target": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
-               "budget": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target},
+               "budget": {"init_kl_coef": cfg.kl_coef, "target": cfg.kl_target, "band": cfg.kl_band,
+                          "push": cfg.kl_push, "max_scale": cfg.kl_max_scale, "max_forwards": cfg.kl_max_forwards},
                "constant": {"kl_coef": cfg.kl_coef}}
     return make_kl_controller(cfg.kl_controller, model=leash, **lookup(options, cfg.kl_controller, "kl_controller"))
 
@@ -155,7 +156,7 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
         controller=_controller(cfg, leash), leash=leash, ref_updater=ref_updater, generator=generator,
         reward=build_reward(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
-        line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" else None,
+        line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" or cfg.kl_bound else None,
     )
     share_run(run)
     return run

@@ -30,11 +30,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from tether.control.budget import BudgetMove, pull_under_ceiling
 from tether.models.records import StepRecord
 from tether.models.score_plan import row_slices
 from tether.models.scoring import causal_lm_parts
 from tether.objectives import GRPOLossOutput, GRPOTokenTerms
-from tether.ops import kl_k1
+from tether.ops import aggregate, kl_k1, kl_k3
 from tether.ops.checks import lookup
 from tether.ops.masks import even_slices
 from tether.train.checkpoint import describe_checkpoints
@@ -101,8 +102,9 @@ class KLMeasurement:
         """What the bound and the summary read: the exact KL when there is one."""
         return self.exact if self.exact is not None else self.sampled
 
-    def metrics(self, kl_bound: float) -> dict[str, Any]:
-        """Record entries: both KLs per answer (``*_per_seq``) and per token, and the bound check."""
+    def metrics(self, kl_bound: float, kept: float | None = None) -> dict[str, Any]:
+        """Record entries: both KLs per answer (``*_per_seq``) and per token, and the bound check on
+        the weights kept (``kept``, their KL per answer) or, unread, the weights that sampled."""
         per_token = max(self.tokens, 1)
         out: dict[str, Any] = {
             "kl_per_seq": float(self.sampled.mean()),
@@ -113,8 +115,16 @@ class KLMeasurement:
             out["kl_exact_per_token"] = float(self.exact.sum()) / per_token
         measured = float(self.signal.mean())
         out["kl_signal"] = "exact" if self.exact is not None else "sampled"
-        out["kl_over_bound"] = measured > kl_bound
+        out["kl_over_bound"] = bool(kl_bound) and (measured if kept is None else kept) > kl_bound
         return out
+
+
+def behaviour_kl(terms: GRPOTokenTerms) -> float:
+    """KL(sampler || learner) per answer token: k3 of the learner's log-probs against the sampler's
+    on the sampled tokens, the sampler-trainer mismatch (NeMo-RL logs it as token_mult_prob_error).
+    Over every update's mini-batch: with one update a rollout, the learner is the sampling weights."""
+    log_weights = terms.log_weights  # learner minus sampler, 0 off the answers (k3 of 0 is 0)
+    return float(aggregate(kl_k3(torch.zeros_like(log_weights), log_weights), terms.mask, "token-mean"))
 
 
 def has_exact_kl(policy: torch.nn.Module) -> bool:
@@ -162,36 +172,101 @@ def confirm_rows(record: StepRecord, every: int) -> Tensor:
     return torch.nonzero(place % every == 0).squeeze(-1)
 
 
-@torch.no_grad()
-def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM_EVERY) -> dict[str, float]:
-    """``kl_controller=budget``, after the optimizer step: the updated weights' mean KL per answer
-    over every rank's rows, and, if it left the band, the weights moved back into it (the
-    controller's ``hold``); the move's record entries and the seconds it took. A reading after a
-    move reads ``confirm_rows`` (``confirm_every=1``: every row). Other controllers: nothing, ``{}``."""
-    if run.line is None:  # built by build_run for kl_controller=budget only
-        return {}
-    ranks, line, start = run.ranks, run.line, time.perf_counter()
-    line.capture()
-    part = None if confirm_every == 1 or record.ref_hidden is None else confirm_rows(record, confirm_every)
-    first: dict[str, Tensor] = {}  # the first reading, totals over ranks: KL sum, answers, KL sum of `part`
+class KLReadings:
+    """``measure`` for the leash: the mean KL per answer of the current weights over every rank's
+    rows. The first reading reads every row; later estimates read ``confirm_rows`` and scale the
+    first level by their paired ratio; ``full=True`` reads every row, only the rows the last
+    estimate left out when it was taken at the current weights (``moved`` forgets it)."""
 
-    def read(rows: Tensor | None = None) -> Tensor:
-        with ranks.unsharded():
-            return answer_kl(run.actor, record if rows is None else record.take(rows))
+    def __init__(self, run: Any, record: StepRecord, confirm_every: int) -> None:
+        self.run, self.record = run, record
+        self.part = None if confirm_every == 1 or record.ref_hidden is None else confirm_rows(record, confirm_every)
+        self.first: Tensor | None = None  # totals over ranks: KL sum, answers, KL sum of `part`
+        self.last_part: Tensor | None = None  # the KL sum of `part` at the current weights
 
-    def measure() -> float:
-        if not first:
-            kl = read()
+    def _read(self, rows: Tensor | None = None) -> Tensor:
+        with self.run.ranks.unsharded():
+            return answer_kl(self.run.actor, self.record if rows is None else self.record.take(rows))
+
+    def moved(self) -> None:
+        self.last_part = None
+
+    def __call__(self, full: bool = False) -> float:
+        ranks = self.run.ranks
+        if self.first is None:
+            kl = self._read()
             parts = [kl.sum(), torch.tensor(float(len(kl)), dtype=torch.float64)]
-            first["total"] = ranks.total(torch.stack(parts + ([kl[part].sum()] if part is not None else [])))
-            return float(first["total"][0] / first["total"][1])
-        total = first["total"]
-        if part is None or not total[2] > 0:
-            return float(ranks.total(read().sum()) / total[1])
-        return float(total[0] / total[1] * ranks.total(read(part).sum()) / total[2])
+            self.first = ranks.total(torch.stack(parts + ([kl[self.part].sum()] if self.part is not None else [])))
+            self.last_part = self.first[2] if self.part is not None else None
+            return float(self.first[0] / self.first[1])
+        total = self.first
+        if self.part is None or not total[2] > 0:
+            return float(ranks.total(self._read().sum()) / total[1])
+        if full:
+            if self.last_part is None:
+                return float(ranks.total(self._read().sum()) / total[1])
+            rest = torch.ones(len(self.record), dtype=torch.bool)
+            rest[self.part] = False
+            rest_sum = ranks.total(self._read(torch.nonzero(rest).squeeze(-1)).sum())
+            return float((self.last_part + rest_sum) / total[1])
+        self.last_part = ranks.total(self._read(self.part).sum())
+        return float(total[0] / total[1] * self.last_part / total[2])
 
-    move = run.controller.hold(line.place, measure).metrics()
-    return {**move, "kl_move_seconds": time.perf_counter() - start}  # what the budget cost this step
+
+@dataclass
+class _TrackedLine:
+    """The run's line, telling the readings whenever the weights move."""
+
+    line: Any
+    readings: KLReadings
+
+    def capture(self) -> None:
+        self.line.capture()
+
+    def place(self, scale: float) -> None:
+        self.readings.moved()
+        self.line.place(scale)
+
+    def reject(self) -> None:
+        self.readings.moved()
+        self.line.reject()
+
+
+def mark_step_start(run: Any) -> None:
+    """``kl_controller=budget``, before the update: the weights and optimizer state a rejected
+    update returns to (one copy of what the optimizer trains)."""
+    if run.line is not None and run.cfg.kl_controller == "budget":
+        run.line.start(run.optimizer)
+
+
+# Without a target of its own (constant beta) the ceiling pulls kept weights back this far under kl_bound.
+CEILING_AIM = 0.9
+
+
+@torch.no_grad()
+def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM_EVERY) -> dict[str, Any]:
+    """After the optimizer step: the leash on the weights kept. ``kl_controller=budget`` moves the
+    update into the band or rejects it (the controller's ``hold``); every controller then keeps the
+    weights under ``kl_bound`` (``pull_under_ceiling``). Returns the record entries (``BudgetMove``)
+    and the seconds it took; ``{}`` with neither (``kl_bound=0`` and another controller)."""
+    if run.line is None:  # built by build_run for the budget or a ceiling
+        return {}
+    start, ceiling = time.perf_counter(), run.cfg.kl_bound or math.inf
+    readings = KLReadings(run, record, confirm_every)
+    line = _TrackedLine(run.line, readings)
+    try:
+        if run.cfg.kl_controller == "budget":
+            move = run.controller.hold(line, readings, ceiling=ceiling)
+        else:
+            kl = readings(full=True)
+            scale, kept, spent = 1.0, kl, 0
+            if kl > ceiling:
+                aim = min(run.cfg.kl_target, CEILING_AIM * ceiling)
+                scale, kept, spent = pull_under_ceiling(line, readings, kl, ceiling=ceiling, aim=aim)
+            move = BudgetMove(kl, kept, scale, 1 + spent)
+    finally:
+        run.line.release()
+    return {**move.metrics(), "kl_move_seconds": time.perf_counter() - start}  # what the leash cost this step
 
 
 # ------------------------------------------------------------------------------ learning-rate schedule

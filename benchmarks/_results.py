@@ -1,0 +1,68 @@
+"""The raw records behind the docs' figures: one JSON object per line in ``benchmarks/results/``.
+
+A benchmark appends (or replaces, by its key fields) one record per run with the machine, the
+commit and the date it ran on; ``benchmarks/tables.py`` rebuilds every table and plot from them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    """``'<cpu model>, <n> cores'`` of this box (or the GPU a run names itself)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def commit() -> str:
+    """The checkout's short commit, with ``+`` when the work tree has changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
+
+
+def stamp() -> dict[str, str]:
+    return {"machine": machine(), "commit": commit(), "date": datetime.date.today().isoformat()}
+
+
+def read(name: str) -> list[dict[str, Any]]:
+    """Every record of ``results/<name>.jsonl`` (none when the file is missing)."""
+    path = RESULTS / f"{name}.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write(name: str, record: dict[str, Any], key: Iterable[str]) -> None:
+    """Append ``record`` to ``results/<name>.jsonl``, replacing the record equal on every ``key`` field."""
+    key = tuple(key)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / f".{name}.lock", "w") as lock:  # runs of one grid write from several processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = [r for r in read(name) if any(r.get(k) != record.get(k) for k in key)]
+        tmp = RESULTS / f".{name}.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [*kept, record]))
+        tmp.replace(RESULTS / f"{name}.jsonl")

@@ -1,0 +1,218 @@
+"""Rebuild the docs' leash tables and plots from the raw records in ``benchmarks/results/``.
+
+A table lives in its page between ``<!-- table:NAME -->`` and ``<!-- /table -->``; this script
+writes what the records give there (and the plots beside the pages). ``--check`` writes nothing
+and exits 1 when a page's table differs from what the records give, naming it.
+
+    python benchmarks/tables.py            # rebuild every table and plot
+    python benchmarks/tables.py --check    # fail when a docs table is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
+GOAL_IN_BAND, GOAL_PEAK = 0.8, 1.5
+WARM = 4  # steps 1-4 are the warm-up: scored are steps 5 on
+
+
+# ------------------------------------------------------------------------------ numbers
+def t95(n: int) -> float:
+    """The two-sided 95 % Student t quantile with ``n - 1`` degrees of freedom (n = 2 .. 31)."""
+    table = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+             2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+             2.045, 2.042]
+    return table[min(n, 31) - 2]
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and its 95 % t interval."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = t95(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def scored(run: dict[str, Any]) -> list[float]:
+    """The scored steps' KL over the target: the exact KL of each step's batch, steps 5 on."""
+    kls = [s.get("kl_exact_per_seq", s["kl_per_seq"]) for s in run["steps"]]
+    return [kl / run["kl_target"] for kl in kls[WARM:]]
+
+
+def in_band(run: dict[str, Any]) -> float:
+    ratios = scored(run)
+    return sum(abs(r - 1) <= BAND for r in ratios) / len(ratios)
+
+
+def meets_goal(run: dict[str, Any]) -> bool:
+    return in_band(run) >= GOAL_IN_BAND and max(scored(run)) <= GOAL_PEAK
+
+
+# ------------------------------------------------------------------------------ tables
+def leash_grid(runs: list[dict[str, Any]], push: bool) -> str:
+    """The budget's grid at one ``kl_push``: one row per setting, its seeds side by side."""
+    runs = [r for r in runs if r["controller"] == "budget" and r["kl_push"] == push]
+    settings = list(dict.fromkeys(r["setting"] for r in sorted(runs, key=_setting_order)))
+    lines = ["| setting | seeds | steps 5-16 in band, per seed | largest KL / target, per seed | kept over `kl_bound` "
+             "| rejected | goal met |", "|---|---|---|---|---|---|---|"]
+    for name in settings:
+        rows = sorted((r for r in runs if r["setting"] == name), key=lambda r: r["seed"])
+        bands = " / ".join(f"{in_band(r):.0%}" for r in rows)
+        peaks = " / ".join(f"{max(scored(r)):.2f}" for r in rows)
+        over = sum(bool(s.get("kl_over_bound")) for r in rows for s in r["steps"])
+        rejected = sum(bool(s.get("step_rejected")) for r in rows for s in r["steps"])
+        met = sum(meets_goal(r) for r in rows)
+        lines.append(f"| {name} | {', '.join(str(r['seed']) for r in rows)} | {bands} | {peaks} | {over} | {rejected} "
+                     f"| {met} of {len(rows)} |")
+    return "\n".join(lines)
+
+
+def push_comparison(runs: list[dict[str, Any]]) -> str:
+    """Push on against off on the same (setting, seed): the paired differences with 95 % intervals."""
+    budget = {(r["setting"], r["seed"], r["kl_push"]): r for r in runs if r["controller"] == "budget"}
+    pairs = [(budget[s, seed, True], budget[s, seed, False]) for s, seed, push in budget
+             if push and (s, seed, False) in budget]
+    if not pairs:
+        return "| pairs | |\n|---|---|\n| 0 | no run of the grid without the push yet |"
+    lines = ["| paired runs (setting, seed) | measure | push on | push off | on − off (95 % interval) |",
+             "|---|---|---|---|---|"]
+    measures: list[tuple[str, Callable[[dict], float], str]] = [
+        ("steps 5-16 in band", lambda r: 100 * in_band(r), "{:.0f} %"),
+        ("largest KL / target, steps 5-16", lambda r: max(scored(r)), "{:.2f}"),
+        ("KL / target at step 5", lambda r: scored(r)[0], "{:.2f}"),
+        ("reward gain (last 4 steps − step 1)", _reward_gain, "{:+.3f}"),
+    ]
+    for label, f, fmt in measures:
+        on, off = [f(a) for a, _ in pairs], [f(b) for _, b in pairs]
+        mean, low, high = interval([a - b for a, b in zip(on, off)])
+        lines.append(f"| {len(pairs)} | {label} | {fmt.format(statistics.fmean(on))} | {fmt.format(statistics.fmean(off))} "
+                     f"| {fmt.format(mean)} ({fmt.format(low)} to {fmt.format(high)}) |")
+    return "\n".join(lines)
+
+
+def _reward_gain(run: dict[str, Any]) -> float:
+    rewards = [s["reward_mean"] for s in run["steps"]]
+    tail = rewards[-max(len(rewards) // 4, 1):]
+    return statistics.fmean(tail) - rewards[0]
+
+
+def _setting_order(run: dict[str, Any]) -> tuple:
+    return (run["kl_mode"] != "loss" or run["kl_coef"] < 0.01, run["kl_mode"], run["learning_rate"], run["kl_coef"])
+
+
+def grid_provenance(runs: list[dict[str, Any]]) -> str:
+    """Where and when the grid's runs ran, from their records."""
+    budget = [r for r in runs if r["controller"] == "budget"]
+    if not budget:
+        return "No run recorded yet."
+    stamps = sorted({(r["machine"], r["commit"], r["date"]) for r in budget})
+    where = "; ".join(f"{m}, commit {c}, {d}" for m, c, d in stamps)
+    shape = budget[0]
+    return (f"{len(budget)} runs of {shape['prompts']} prompts x {shape['group']} answers of up to "
+            f"{shape['max_new_tokens']} tokens, {len(shape['steps'])} steps, `kl_target` {shape['kl_target']:g}, "
+            f"`kl_bound` {shape['kl_bound']:g}, {shape['threads']} thread(s) each: {where}.")
+
+
+TABLES: dict[str, tuple[str, Callable[[], str]]] = {
+    "leash-grid-push": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), True)),
+    "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
+    "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
+    "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
+}
+
+
+# ------------------------------------------------------------------------------ plots
+def plot_grid(path: Path) -> None:
+    """KL over the target per step, one panel per setting, each seed a line (push on solid, off dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((r for r in _results.read("leash") if r["controller"] == "budget"), key=_setting_order)
+    names = list(dict.fromkeys(r["setting"] for r in runs))
+    if not names:
+        return
+    cols = min(4, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for run in (r for r in runs if r["setting"] == name):
+            kls = [s.get("kl_exact_per_seq", s["kl_per_seq"]) / run["kl_target"] for s in run["steps"]]
+            ax.plot(range(1, len(kls) + 1), kls, linestyle="-" if run["kl_push"] else "--", linewidth=1,
+                    label=f"seed {run['seed']}, push {'on' if run['kl_push'] else 'off'}")
+        ax.axhspan(1 - BAND, 1 + BAND, color="tab:green", alpha=0.15)
+        ax.axhline(GOAL_PEAK, color="tab:red", linestyle=":", linewidth=1)
+        ax.axvline(WARM + 0.5, color="grey", linewidth=0.5)
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("exact KL / target", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+PLOTS: dict[str, Callable[[Path], None]] = {"docs/leash-budget.png": plot_grid}
+
+
+# ------------------------------------------------------------------------------ pages
+_BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /table -->)", re.S)
+
+
+def rebuild(text: str, page: str) -> tuple[str, list[str]]:
+    """``text`` with every table of ``page`` rebuilt, and the names of those that changed."""
+    changed: list[str] = []
+
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES or TABLES[name][0] != page:
+            raise SystemExit(f"{page}: table {name!r} has no builder in benchmarks/tables.py (known: {sorted(TABLES)})")
+        body = TABLES[name][1]()
+        if body != match["body"]:
+            changed.append(name)
+        return match.group(1) + body + match.group(4)
+
+    return _BLOCK.sub(fill, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a table is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in sorted({page for page, _ in TABLES.values()}):
+        path = ROOT / page
+        text, changed = rebuild(path.read_text(), page)
+        missing = [n for n, (p, _) in TABLES.items() if p == page and f"<!-- table:{n} -->" not in text]
+        stale += [f"{page}: table {n} differs from benchmarks/results" for n in changed]
+        stale += [f"{page}: table {n} is missing (add its <!-- table:{n} --> block)" for n in missing]
+        if not args.check and changed:
+            path.write_text(text)
+    if args.check:
+        for line in stale:
+            print(line)
+        return 1 if stale else 0
+    for target, draw in PLOTS.items():
+        draw(ROOT / target)
+    print(f"rebuilt {len(TABLES)} tables and {len(PLOTS)} plots" + (f" ({len(stale)} changed)" if stale else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
