@@ -28,7 +28,8 @@ from tether.train.recipe import train
 GRID: dict[str, list[dict]] = {
     "constant": [{"kl_controller": "constant", "kl_coef": b} for b in (0.05, 0.1, 0.2, 0.3)],
     "target": [{"kl_controller": "target", "kl_target": 3.0}],
-    "budget": [{"kl_controller": "budget", "kl_target": t} for t in (1.0, 2.0, 3.0, 4.0)],
+    # The ceiling kl_bound must hold the band's top, 1.25 x the target: target 4 runs with a ceiling of 5.
+    "budget": [{"kl_controller": "budget", "kl_target": t, "kl_bound": max(4.0, 1.25 * t)} for t in (1.0, 2.0, 3.0, 4.0)],
 }
 
 

@@ -115,3 +115,27 @@ def test_place_before_capture_and_non_lora_trainables_are_refused():
     policy.get_submodule("base_model.model.lm_head").weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"trainable parameters \['base_model.model.lm_head.weight'\] are not LoRA"):
         ReferenceLine(policy, adapter_disabled(policy))
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.77, 1.9])
+def test_a_bfloat16_line_rounds_once(scale):
+    """bfloat16 weights: each point is the float64 interpolation rounded once to bfloat16, within half
+    a bfloat16 unit in the last place of the exact value (plus float32's rounding of the operands, which
+    matters where the exact point is near 0); arithmetic
+    in bfloat16 (three roundings) misses by up to 1.5 units, and moves under one unit vanish."""
+    policy = make_tiny_model(dtype=torch.bfloat16, seed=3)
+    reference = frozen_copy(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn_like(p, dtype=torch.float32).to(torch.bfloat16))
+    anchors = {n: p.detach().double() for n, p in reference.named_parameters()}
+    values = {n: p.detach().double() for n, p in policy.named_parameters()}
+    line = ReferenceLine(policy, reference)
+    line.capture()
+    line.place(scale)
+    for name, param in policy.named_parameters():
+        exact = anchors[name] + scale * (values[name] - anchors[name])
+        ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+        assert param.dtype == torch.bfloat16
+        float32 = 2 ** -23 * (anchors[name].abs() + abs(scale) * (values[name] - anchors[name]).abs())
+        assert bool(((param.double() - exact).abs() <= 0.5 * ulp * (1 + 2 ** -8) + float32).all()), name

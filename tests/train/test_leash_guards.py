@@ -103,3 +103,15 @@ def test_push_off_never_scales_an_update_out(tmp_path):
     train(tiny_cfg(tmp_path / "run", steps=3, **{**BUDGET, "learning_rate": 1e-3}, kl_target=3.0, kl_push=False),
           progress=False)
     assert all(r["kl_move_scale"] <= 1 for r in _metrics(tmp_path / "run"))
+
+
+def test_the_kl_is_measured_and_logged_at_beta_zero(tmp_path):
+    """beta = 0 (TRL's default: no KL term): the reference is still scored, so every step logs the
+    sampled and exact KL of its batch, the kept weights' KL and the sampler-learner KL; at lr 1e-2 the
+    KL leaves 0 after the first update."""
+    train(tiny_cfg(tmp_path / "run", steps=3, kl_controller="constant", kl_coef=0.0, learning_rate=1e-2),
+          progress=False)
+    records = _metrics(tmp_path / "run")
+    for key in ("kl_per_seq", "kl_exact_per_seq", "kl_kept_per_seq", "kl_behaviour_per_token"):
+        assert all(key in r for r in records), key
+    assert all(r["kl_coef"] == 0.0 for r in records) and records[-1]["kl_exact_per_seq"] > 0

@@ -182,7 +182,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     problems, record, rewards, drawn = keep_informative(run, step, draw, step_problems(run, step))
     add_reference(run, record)
     sampled_kl = ranks.rows(record.sequence_log_ratio())  # every rank's answers
-    if cfg.kl_control_signal == "sampled" and run.line is None:  # beta for this update, from this batch's KL
+    if cfg.kl_control_signal == "sampled" and cfg.kl_controller != "budget":  # beta for this update, from this batch's KL
         run.controller.update(sampled_kl)
     add_advantages(run, record)
     kl_coef, lr = float(run.leash.kl_coef), run.optimizer.param_groups[0]["lr"]
@@ -191,7 +191,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
     run.scheduler.step()
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
-    if cfg.kl_control_signal == "exact" and run.line is None:  # known only now: beta for the next update
+    if cfg.kl_control_signal == "exact" and cfg.kl_controller != "budget":  # known only now: beta for the next update
         run.controller.update(kl.signal)
     if run.ref_updater is not None:
         run.ref_updater.step(step + 1)
