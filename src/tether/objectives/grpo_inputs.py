@@ -147,13 +147,14 @@ def _zero_outside(value: Tensor, mask: Tensor, key: NestedKey) -> Tensor:
 def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tokens: bool) -> Tensor:
     value = _fetch(td, key, "the advantages", "Compute them first (e.g. with MCAdvantage).")
     rows = attention.shape[0]
-    if value.is_nested or value.dim() == 3 or (value.dim() == 2 and value.shape[-1] != 1):
-        return _on_grid(value, key, attention, nested_tokens)
-    if value.dim() in (1, 2) and value.shape[0] == rows:
+    if not value.is_nested and value.dim() <= 3 and value.shape[:1] == (rows,) and value.numel() == rows:
+        # One advantage per answer ([B], [B, 1], TorchRL's [B, 1, 1]): broadcast over its tokens.
         return value.reshape(rows, 1)
+    if value.is_nested or value.dim() in (2, 3):
+        return _on_grid(value, key, attention, nested_tokens)
     raise ValueError(
-        f"{key!r}: expected advantages [B], [B, 1], [B, T] or [B, T, 1] with B = {rows}; got shape "
-        f"{tuple(value.shape)}."
+        f"{key!r}: expected advantages [B], [B, 1], [B, 1, 1] (one per answer) or [B, T], [B, T, 1] (per token) "
+        f"with B = {rows}; got shape {tuple(value.shape)}."
     )
 
 

@@ -77,7 +77,8 @@ class MCAdvantage(nn.Module):
     Args:
         grpo_size: trajectories per prompt that make a group (>= 2).
         prompt_key: key of the prompt (string or chat) in the first step of a trajectory.
-        rewards_key: key of the rewards: ``[L]`` / ``[L, 1]`` per step, or per token
+        rewards_key: key of the rewards: ``[L]`` / ``[L, 1]`` / ``[L, 1, 1]`` per step (the
+            last is TorchRL's one reward per answer), or per token
             ``[L, T]`` / ``[L, T, 1]`` (padded, mask under ``mask_key``) or jagged.
         advantage_key: where the advantage is written, in the reward's own layout.
         done_key: key of the done flags; the last step of each trajectory must be done.
@@ -281,7 +282,8 @@ class MCAdvantage(nn.Module):
             values = reward.reshape(steps, -1)
             ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
             return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))
-        if reward.dim() == 1 or (reward.dim() == 2 and reward.shape[-1] == 1):
+        if reward.numel() == steps and reward.dim() <= 3:
+            # One reward per step ([L], [L, 1], TorchRL's per-answer [L, 1, 1]): no token mask applies.
             values = reward.reshape(steps, 1)
             ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
             return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))

@@ -1,0 +1,103 @@
+"""TorchRL's per-answer layouts through tether's pieces, as a TorchRL loop writes them.
+
+TorchRL's reward parsers write one reward per answer as ``("next", "reward")`` ``[B, 1, 1]``;
+its ``MCAdvantage`` normalises them per prompt group and writes the advantage in the same
+layout; its ``GRPOLoss`` broadcasts that advantage over each answer's tokens. The batches
+here come from a sampling ``TransformersWrapper`` (padded and jagged), so they carry the
+per-token assistant mask that an earlier version mistook for the rewards' mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tether.llm import chat_batch
+from tether.models import TransformersWrapper
+from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+from tether.objectives import GRPOLoss, MCAdvantage
+
+F64 = torch.float64
+EPS = 1e-6  # added to the group spread by grpo
+PROMPTS = [[{"role": "user", "content": "1+1?"}]] * 2 + [[{"role": "user", "content": "2+2?"}]] * 2
+
+
+@pytest.fixture(scope="module")
+def parts():
+    tok = byte_tokenizer()
+    return tok, tiny_causal_lm(tok, seed=0, dtype=F64)
+
+
+def sampled(parts, pad_output: bool):
+    """Four answers (two per prompt) from a float64 sampler, TorchRL's done flags ``[B, 1]``."""
+    tok, model = parts
+    sampler = TransformersWrapper(model, tok, pad_output=pad_output,
+                                  generate_kwargs={"max_new_tokens": 5, "generator": torch.Generator().manual_seed(3)})
+    td = sampler(chat_batch(PROMPTS, key=("history", "prompt")))
+    # The sampler records float32 log-probs; the loss's float64 scorer's own make every ratio 1.
+    with torch.no_grad():
+        own = TransformersWrapper(model, tok, input_mode="tokens", generate=False, pad_output=pad_output,
+                                  log_probs_key="own")(td.clone())
+    td.set(("log_probs", "full"), own["own", "full"])
+    td.set(("next", "done"), torch.ones(4, 1, dtype=torch.bool))
+    return td
+
+
+@pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "jagged"])
+@pytest.mark.parametrize("shape", [(4, 1, 1), (4, 1)], ids=["B11", "B1"])
+def test_mc_advantage_reads_one_reward_per_answer(parts, pad_output, shape):
+    """Rewards 1, 0 (prompt "1+1?") and 2, 2 (prompt "2+2?"), one per answer. Group one: mean
+    1/2, Bessel spread sqrt(((1/2)^2 + (1/2)^2) / 1) = sqrt(1/2), so advantages
+    +-(1/2) / (sqrt(1/2) + 1e-6) = +-0.707106; group two is constant, so 0. The advantage keeps
+    the reward's layout, whatever per-token assistant mask the batch also holds."""
+    td = sampled(parts, pad_output)
+    td.set(("next", "reward"), torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=F64).reshape(shape))
+    out = MCAdvantage(2, prompt_key=("text", "prompt")).add(td)
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    assert out["advantage"].shape == shape
+    torch.testing.assert_close(out["advantage"].reshape(4), torch.tensor([a, -a, 0.0, 0.0], dtype=F64),
+                               rtol=0, atol=1e-12)
+
+
+def scorer(parts) -> TransformersWrapper:
+    """The loss's actor: the sampler's float64 model scoring the tokens."""
+    tok, model = parts
+    return TransformersWrapper(model, tok, input_mode="tokens", generate=False)
+
+
+def assistant_counts(td) -> torch.Tensor:
+    mask = td["masks", "all_assistant_mask"]
+    if mask.is_nested:
+        return torch.tensor([int(row.sum()) for row in mask.unbind(0)], dtype=F64)
+    return mask.sum(-1).to(F64)
+
+
+@pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "jagged"])
+@pytest.mark.parametrize("shape", [(4, 1, 1), (4, 1), (4,)], ids=["B11", "B1", "B"])
+def test_grpo_loss_broadcasts_one_advantage_per_answer(parts, pad_output, shape):
+    """On-policy (sampling log-probs from the loss's own float64 scorer: ratio 1, no clipping) the token-mean objective is -(sum_b A_b n_b) / (sum_b n_b), n_b the assistant
+    tokens of answer b: each answer's advantage counts once per token it trained. With
+    A = (1, -2, 0.5, 3) that is -(n_0 - 2 n_1 + 0.5 n_2 + 3 n_3) / (n_0 + n_1 + n_2 + n_3).
+    The same batch with the advantage spelled per token [B, T] gives the same value."""
+    td = sampled(parts, pad_output)
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=F64)
+    td.set("advantage", adv.reshape(shape))
+    loss = GRPOLoss(scorer(parts), entropy_bonus=False)
+    n = assistant_counts(td)
+    expected = -(adv * n).sum() / n.sum()
+    value = loss(td).loss_objective
+    torch.testing.assert_close(value, expected, rtol=0, atol=1e-9)
+    if pad_output:  # the per-token spelling of the same advantages
+        td.set("advantage", adv[:, None].expand(td["tokens", "full"].shape).clone())
+        torch.testing.assert_close(loss(td).loss_objective, value, rtol=0, atol=1e-12)
+
+
+def test_grpo_loss_refuses_advantages_of_another_batch(parts):
+    """Three advantages for four answers match neither layout: the error names both."""
+    td = sampled(parts, True).clone()
+    td.batch_size = torch.Size([])
+    td.set("advantage", torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match=r"one per answer.*B = 4.*\(3,\)"):
+        GRPOLoss(scorer(parts), entropy_bonus=False)(td)
