@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import tensordict
 import torch
+from packaging.version import Version
 
 from tether.llm import chat_batch
 from tether.models import TransformersWrapper
@@ -52,6 +54,8 @@ def test_mc_advantage_reads_one_reward_per_answer(parts, pad_output, shape):
     1/2, Bessel spread sqrt(((1/2)^2 + (1/2)^2) / 1) = sqrt(1/2), so advantages
     +-(1/2) / (sqrt(1/2) + 1e-6) = +-0.707106; group two is constant, so 0. The advantage keeps
     the reward's layout, whatever per-token assistant mask the batch also holds."""
+    if not pad_output and Version(tensordict.__version__) < Version("0.15"):
+        pytest.skip("tensordict < 0.15 cannot split jagged entries (MCAdvantage says so, naming the fix)")
     td = sampled(parts, pad_output)
     td.set(("next", "reward"), torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=F64).reshape(shape))
     out = MCAdvantage(2, prompt_key=("text", "prompt")).add(td)
@@ -101,3 +105,27 @@ def test_grpo_loss_refuses_advantages_of_another_batch(parts):
     td.set("advantage", torch.zeros(3, dtype=F64))
     with pytest.raises(ValueError, match=r"one per answer.*B = 4.*\(3,\)"):
         GRPOLoss(scorer(parts), entropy_bonus=False)(td)
+
+
+def test_same_advantages_as_torchrl_mc_advantage():
+    """TorchRL 0.14's own MCAdvantage on the same four one-answer trajectories (rewards
+    [4, 1, 1], one added at a time as a buffer writes them): same layout, same values but for
+    the spread's guard: TorchRL divides by std = sqrt(1/2), tether by std + 1e-6, a relative
+    difference of 1e-6 / sqrt(1/2) = 1.41e-6. Skipped without TorchRL (make torchrl-env)."""
+    torchrl_llm = pytest.importorskip("torchrl.objectives.llm")
+    from tensordict import TensorDict
+
+    from tether.models.batch_io import write_objects
+
+    def trajectories():
+        td = TensorDict({("next", "reward"): torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=F64).reshape(4, 1, 1),
+                         ("next", "done"): torch.ones(4, 1, dtype=torch.bool)}, batch_size=[4])
+        write_objects(td, "query", ["a", "a", "b", "b"])
+        return td
+
+    theirs = torchrl_llm.MCAdvantage(grpo_size=2, prompt_key="query")
+    emitted = [out for i in range(4) if (out := theirs._inv_call(trajectories()[i : i + 1])) is not None]
+    expected = torch.cat([out["advantage"] for out in emitted])
+    ours = MCAdvantage(2, prompt_key="query").add(trajectories())["advantage"]
+    assert ours.shape == expected.shape == (4, 1, 1)
+    torch.testing.assert_close(ours, expected.to(F64), rtol=1.5e-6, atol=1e-12)
