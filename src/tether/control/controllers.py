@@ -70,6 +70,11 @@ class ConstantKLController:
         kl_coef: the coefficient (>= 0).
         model: optional object, or list/tuple of objects, with a read/write ``kl_coef``;
             each receives ``kl_coef`` at construction and on every ``update``.
+
+    Examples:
+        >>> ctl = ConstantKLController(kl_coef=0.05)
+        >>> ctl.update([10.0, 0.0])  # whatever KL it is shown
+        0.05
     """
 
     def __init__(self, *, kl_coef: float, model: Any = None) -> None:
@@ -120,7 +125,10 @@ class AdaptiveKLController:
             move a coefficient away from 0.
         max_coef: upper bound, default ``inf`` (unbounded, as in the paper).
 
-    Example (the worked check of the spec):
+    Examples:
+        The worked check of the spec (KL 12 over 512 answers, twice the target):
+
+        >>> import torch
         >>> ctl = AdaptiveKLController(init_kl_coef=0.15, target=6.0, horizon=10_000)
         >>> round(ctl.update(torch.full((512,), 12.0)), 6)
         0.151536
@@ -252,6 +260,8 @@ def make_kl_controller(name: str, **kwargs: Any) -> KLController:
         0.15
         >>> make_kl_controller("constant", init_kl_coef=0.05).kl_coef
         0.05
+        >>> make_kl_controller("budget", kl_coef=0.1, kl_target=3.0).target
+        3.0
     """
     cls = lookup(KL_CONTROLLERS, name, "name")
     return cls(**_constructor_arguments(name, cls, kwargs))

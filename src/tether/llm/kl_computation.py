@@ -101,6 +101,20 @@ class KLComputation(TensorDictModuleBase):
     A per-sequence reward is copied onto every valid token (0 on padding), so the adjusted
     reward is ``[B, T, 1]`` in both cases: ``r_b - coeff * kl_{b,t}``. A missing reward
     with ``add_to_reward=True`` raises a ``KeyError``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tether.llm import KLComputation
+        >>> td = TensorDict({("log_probs", "full"): torch.tensor([[0.0, -1.0, -2.0]]),
+        ...                  ("ref_log_probs", "full"): torch.tensor([[0.0, -1.5, -1.0]]),
+        ...                  ("masks", "all_assistant_mask"): torch.tensor([[False, True, True]]),
+        ...                  ("next", "reward"): torch.tensor([[1.0]])}, [1])
+        >>> out = KLComputation(coeff=0.1)(td)  # outputs go to "next" when the batch has one
+        >>> out["next", "kl_penalty"]  # k1 = log pi - log pi_ref on the assistant tokens
+        tensor([[ 0.0000,  0.5000, -1.0000]])
+        >>> out["next", "reward"].squeeze(-1)  # 1 - 0.1 * kl, the reward copied onto every token
+        tensor([[1.0000, 0.9500, 1.1000]])
     """
 
     def __init__(

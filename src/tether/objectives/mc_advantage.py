@@ -91,6 +91,17 @@ class MCAdvantage(nn.Module):
 
     ``prompt_key`` defaults to TorchRL 0.13's ``"text"``; TorchRL 0.14 reads ``"query"``
     (pass ``prompt_key="query"``; a missing ``"text"`` next to a ``"query"`` says so).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tether.objectives import MCAdvantage
+        >>> batch = TensorDict({("next", "reward"): torch.tensor([1.0, 0.0, 2.0, 2.0]).reshape(4, 1, 1),
+        ...                     ("next", "done"): torch.ones(4, 1, dtype=torch.bool)}, [4])
+        >>> batch["text"] = ["2+2?", "2+2?", "3+1?", "3+1?"]  # the prompts; two answers each
+        >>> out = MCAdvantage(grpo_size=2).add(batch)  # both groups complete: emitted with advantages
+        >>> out["advantage"].flatten()  # (r - mean) / (std + 1e-6) per group; a constant group gets 0
+        tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
 
     def __init__(
