@@ -90,3 +90,15 @@ def test_grpo_loss_names_where_each_width_came_from(parts):
                r".*input_mode='tokens'")
     with pytest.raises(ValueError, match=pattern):
         loss(td)
+
+
+def test_kl_computation_names_both_entries_and_the_fix():
+    """Sampling log-probs over 5 tokens, reference log-probs over 7 (a re-rendered chat): the
+    error names both keys with their shapes, in that order, and input_mode='tokens'."""
+    from tether.llm import KLComputation
+
+    td = TensorDict({("log_probs", "full"): torch.zeros(1, 5), ("ref_log_probs", "full"): torch.zeros(1, 7)}, [1])
+    pattern = (r"\('log_probs', 'full'\) and \('ref_log_probs', 'full'\).*shapes \(1, 5\) and \(1, 7\) "
+               r"\(\('log_probs', 'full'\) first\).*input_mode='tokens'")
+    with pytest.raises(ValueError, match=pattern):
+        KLComputation(add_to_reward=False)(td)

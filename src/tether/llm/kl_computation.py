@@ -57,8 +57,9 @@ def _check_aligned(gen: TokenGrid, ref: TokenGrid, keys: tuple[NestedKey, Nested
         )
         raise ValueError(
             f"{keys[0]!r} and {keys[1]!r} must hold one log-prob per token of the same "
-            f"[B, T] tokens; got {detail}. Score both from the same ('tokens', 'full') (e.g. "
-            "after a tokenizer whose pad == eos dropped the final eos from one of them)."
+            f"[B, T] tokens; got {detail} ({keys[0]!r} first). Score both from the same ('tokens', 'full'): "
+            "scorers with input_mode='tokens' read it as sampled, while a 'history' or 'text' scorer renders its "
+            "own (and a tokenizer whose pad == eos may drop the final eos from one of them)."
         )
 
 
