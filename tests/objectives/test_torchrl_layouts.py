@@ -129,3 +129,33 @@ def test_same_advantages_as_torchrl_mc_advantage():
     ours = MCAdvantage(2, prompt_key="query").add(trajectories())["advantage"]
     assert ours.shape == expected.shape == (4, 1, 1)
     torch.testing.assert_close(ours, expected.to(F64), rtol=1.5e-6, atol=1e-12)
+
+
+def test_lazy_stack_of_unpadded_answers_gives_the_padded_loss(parts):
+    """TorchRL's unpadded layout end to end: the prompts made a lazy stack (``to_lazystack(0)``),
+    sampled with ``pad_output=False`` (rows of their own lengths), rewards [4, 1, 1] through
+    MCAdvantage, then GRPOLoss with a reference KL term. The same draws made padded give the
+    same advantages and the same loss terms: the layout changes nothing."""
+    from tether.llm import RetrieveKL
+    from tether.models.batch_io import get_entry
+
+    tok, model = parts
+    ref = tiny_causal_lm(tok, seed=1, dtype=F64)
+    values = {}
+    for layout, pad_output in (("padded", True), ("lazy", False)):
+        sampler = TransformersWrapper(model, tok, pad_output=pad_output, generate_kwargs={
+            "max_new_tokens": 5, "generator": torch.Generator().manual_seed(3)})
+        prompts = chat_batch(PROMPTS, key=("history", "prompt"))
+        td = sampler(prompts if pad_output else prompts.to_lazystack(0))
+        ref_scorer = TransformersWrapper(ref, tok, input_mode="tokens", generate=False, pad_output=pad_output,
+                                         log_probs_key="ref_log_probs")
+        td = RetrieveKL(None, ref_scorer, add_to_reward=False)(td)
+        td.set(("next", "reward"), torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=F64).reshape(4, 1, 1))
+        td.set(("next", "done"), torch.ones(4, 1, dtype=torch.bool))
+        out = MCAdvantage(2, prompt_key=("text", "prompt")).add(td)
+        loss = GRPOLoss(scorer(parts), kl_to_ref_coeff=0.1, entropy_bonus=False)(out)
+        values[layout] = (get_entry(out, "advantage").reshape(4), loss.loss_objective, loss.loss_kl_to_ref)
+    for padded, lazy in zip(values["padded"], values["lazy"]):
+        torch.testing.assert_close(lazy, padded, rtol=0, atol=1e-12)
+    a = 0.5 / (math.sqrt(0.5) + EPS)
+    torch.testing.assert_close(values["lazy"][0], torch.tensor([a, -a, 0.0, 0.0], dtype=F64), rtol=0, atol=1e-12)
