@@ -22,6 +22,7 @@ A controller drives any object (or list of objects) with a read/write ``kl_coef`
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Protocol
 
@@ -69,6 +70,11 @@ class ConstantKLController:
         kl_coef: the coefficient (>= 0).
         model: optional object, or list/tuple of objects, with a read/write ``kl_coef``;
             each receives ``kl_coef`` at construction and on every ``update``.
+
+    Examples:
+        >>> ctl = ConstantKLController(kl_coef=0.05)
+        >>> ctl.update([10.0, 0.0])  # whatever KL it is shown
+        0.05
     """
 
     def __init__(self, *, kl_coef: float, model: Any = None) -> None:
@@ -119,7 +125,10 @@ class AdaptiveKLController:
             move a coefficient away from 0.
         max_coef: upper bound, default ``inf`` (unbounded, as in the paper).
 
-    Example (the worked check of the spec):
+    Examples:
+        The worked check of the spec (KL 12 over 512 answers, twice the target):
+
+        >>> import torch
         >>> ctl = AdaptiveKLController(init_kl_coef=0.15, target=6.0, horizon=10_000)
         >>> round(ctl.update(torch.full((512,), 12.0)), 6)
         0.151536
@@ -212,6 +221,47 @@ KL_CONTROLLERS: dict[str, type] = {
 }
 
 
+# One knob, two spellings: the configuration's (TrainConfig, the CLI) and the constructors'
+# (TorchRL's). make_kl_controller takes either; each pair names the same argument.
+_SPELLINGS = (("kl_coef", "init_kl_coef"), ("kl_target", "target"), ("kl_horizon", "horizon"))
+
+
+def _constructor_arguments(name: str, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` renamed to ``cls``'s keywords; both spellings of one knob, or an unknown
+    keyword, raise a ``TypeError`` that lists what ``cls`` takes."""
+    taken = [p for p in inspect.signature(cls).parameters if p != "self"]
+    other = {a: b for pair in _SPELLINGS for a, b in (pair, pair[::-1])}
+    listing = ", ".join(f"{p} (or {other[p]})" if p in other else p for p in taken)
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        own = key if key in taken else other.get(key)
+        if own not in taken:
+            raise TypeError(f"make_kl_controller({name!r}): unknown argument {key!r}; it takes {listing}.")
+        if own in out:
+            raise TypeError(f"make_kl_controller({name!r}): {key!r} and {other[key]!r} are one knob, given twice; "
+                            f"give one of them.")
+        out[own] = value
+    return out
+
+
 def make_kl_controller(name: str, **kwargs: Any) -> KLController:
-    """Builds a controller from its registry name (for configs), e.g. ``"target"``."""
-    return lookup(KL_CONTROLLERS, name, "name")(**kwargs)
+    """Builds a controller from its registry name (for configs), e.g. ``"target"``.
+
+    Keywords take the configuration's names (``kl_coef``, ``kl_target``, ``kl_horizon``, as in
+    ``tether train``) or the constructors' (TorchRL's ``init_kl_coef``, ``target``,
+    ``horizon``; ``ConstantKLController`` spells its one coefficient ``kl_coef``). One knob
+    given under both names, or a keyword the controller lacks, is a ``TypeError`` listing
+    what it takes.
+
+    Examples:
+        >>> make_kl_controller("target", kl_coef=0.1, kl_target=3.0).target
+        3.0
+        >>> make_kl_controller("adaptive", init_kl_coef=0.15, target=6.0, horizon=10_000).kl_coef
+        0.15
+        >>> make_kl_controller("constant", init_kl_coef=0.05).kl_coef
+        0.05
+        >>> make_kl_controller("budget", kl_coef=0.1, kl_target=3.0).target
+        3.0
+    """
+    cls = lookup(KL_CONTROLLERS, name, "name")
+    return cls(**_constructor_arguments(name, cls, kwargs))

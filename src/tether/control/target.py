@@ -57,6 +57,15 @@ class TargetKLController:
 
     The update rule, why it forecasts, its stability and the special cases are in the
     module docstring. ``update`` takes the same inputs as ``AdaptiveKLController.update``.
+
+    Examples:
+        >>> ctl = TargetKLController(init_kl_coef=0.1, target=3.0)
+        >>> ctl.update([3.0, 3.0])  # the first update keeps beta (the policy starts at the reference)
+        0.1
+        >>> # KL 6, trend 0.5 * (6 - 3) = 1.5, forecast 6 + 3 * 1.5 = 10.5: log(10.5 / 3) = 1.25 is clipped to
+        >>> # max_rise = 1, and brake_gain 1 multiplies beta by e
+        >>> round(ctl.update([6.0]), 6)
+        0.271828
     """
 
     _CONFIG = ("target", "brake_gain", "release_gain", "lookahead", "hold_growth", "smoothing", "max_rise",

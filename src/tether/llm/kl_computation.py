@@ -57,8 +57,9 @@ def _check_aligned(gen: TokenGrid, ref: TokenGrid, keys: tuple[NestedKey, Nested
         )
         raise ValueError(
             f"{keys[0]!r} and {keys[1]!r} must hold one log-prob per token of the same "
-            f"[B, T] tokens; got {detail}. Score both from the same ('tokens', 'full') (e.g. "
-            "after a tokenizer whose pad == eos dropped the final eos from one of them)."
+            f"[B, T] tokens; got {detail} ({keys[0]!r} first). Score both from the same ('tokens', 'full'): "
+            "scorers with input_mode='tokens' read it as sampled, while a 'history' or 'text' scorer renders its "
+            "own (and a tokenizer whose pad == eos may drop the final eos from one of them)."
         )
 
 
@@ -101,6 +102,20 @@ class KLComputation(TensorDictModuleBase):
     A per-sequence reward is copied onto every valid token (0 on padding), so the adjusted
     reward is ``[B, T, 1]`` in both cases: ``r_b - coeff * kl_{b,t}``. A missing reward
     with ``add_to_reward=True`` raises a ``KeyError``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tether.llm import KLComputation
+        >>> td = TensorDict({("log_probs", "full"): torch.tensor([[0.0, -1.0, -2.0]]),
+        ...                  ("ref_log_probs", "full"): torch.tensor([[0.0, -1.5, -1.0]]),
+        ...                  ("masks", "all_assistant_mask"): torch.tensor([[False, True, True]]),
+        ...                  ("next", "reward"): torch.tensor([[1.0]])}, [1])
+        >>> out = KLComputation(coeff=0.1)(td)  # outputs go to "next" when the batch has one
+        >>> out["next", "kl_penalty"]  # k1 = log pi - log pi_ref on the assistant tokens
+        tensor([[ 0.0000,  0.5000, -1.0000]])
+        >>> out["next", "reward"].squeeze(-1)  # 1 - 0.1 * kl, the reward copied onto every token
+        tensor([[1.0000, 0.9500, 1.1000]])
     """
 
     def __init__(

@@ -83,6 +83,23 @@ class KLRewardTransform(TensorDictModuleBase):
 
     Raises at call time a ``KeyError`` when the reward (with ``add_to_reward=True``) or the
     policy's log-probs are missing, naming the key and the keys present.
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import KLRewardTransform, answer_sums, chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer()
+        >>> sampler = TransformersWrapper(tiny_causal_lm(tok, seed=0), tok,
+        ...                               generate_kwargs={"max_new_tokens": 4, "generator": torch.Generator().manual_seed(0)})
+        >>> ref = TransformersWrapper(tiny_causal_lm(tok, seed=1), tok, input_mode="tokens", generate=False,
+        ...                           log_probs_key="ref_log_probs")
+        >>> batch = sampler(chat_batch([[{"role": "user", "content": "Hi"}]] * 2, key=("history", "prompt")))
+        >>> batch["next", "reward"] = torch.tensor([[1.0], [0.0]])  # one reward per answer
+        >>> batch = KLRewardTransform(ref, coef=0.1)(batch)  # per token: r - 0.1 * kl
+        >>> batch["next", "reward"].shape == (*batch["tokens", "full"].shape, 1)
+        True
+        >>> returns = torch.tensor([1.0, 0.0]) - 0.1 * answer_sums(batch, ("next", "kl_penalty"))  # one per answer
     """
 
     def __init__(

@@ -81,6 +81,20 @@ class RetrieveKL(TensorDictModuleBase):
         gen_log_prob: the policy's ``RetrieveLogProb`` (None when reusing).
         ref_log_prob: the reference's ``RetrieveLogProb``.
         kl_computation: the ``KLComputation``; ``kl_coef`` reads and writes its coefficient.
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import RetrieveKL, chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer()
+        >>> policy = TransformersWrapper(tiny_causal_lm(tok, seed=0), tok, generate=False)
+        >>> ref = TransformersWrapper(tiny_causal_lm(tok, seed=1), tok, generate=False, log_probs_key="ref_log_probs")
+        >>> batch = chat_batch([[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]])
+        >>> out = RetrieveKL(policy, ref, add_to_reward=False)(batch)  # no reward yet: only the KL
+        >>> mask = out["masks", "all_assistant_mask"]
+        >>> torch.equal(out["kl_penalty"], (out["log_probs", "full"] - out["ref_log_probs", "full"]) * mask)
+        True
     """
 
     def __init__(

@@ -93,6 +93,20 @@ class RetrieveLogProb(TensorDictModuleBase):
     ``log_probs_full_key`` as ``[B, T]`` aligned with ``("tokens", "full")`` (padded) or
     jagged ``[B, j]`` (``model.pad_output=False``); 0 at each row's first token, on padding
     and, with ``assistant_only``, outside the assistant mask.
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import RetrieveLogProb, chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer()
+        >>> ref = TransformersWrapper(tiny_causal_lm(tok, seed=1), tok, generate=False, log_probs_key="ref_log_probs")
+        >>> batch = chat_batch([[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]])
+        >>> out = RetrieveLogProb(ref)(batch)
+        >>> out["ref_log_probs", "full"].shape  # one per token of the rendered chat
+        torch.Size([1, 26])
+        >>> int((out["ref_log_probs", "full"] != 0).sum())  # assistant_only: "4" and its end-of-turn token
+        2
     """
 
     def __init__(

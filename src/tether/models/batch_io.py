@@ -160,3 +160,25 @@ def write_ragged(
         td.set(key, padded_to_nested(values, mask))
         if mask_key is not None:
             td.set(mask_key, padded_to_nested(mask, mask))
+
+
+def refuse_retokenising(td: TensorDictBase, ids: Tensor, mask: Tensor, input_mode: str) -> None:
+    """Raise ``ValueError`` when ``td`` already holds ``("tokens", "full")`` and the rows
+    ``ids [B, T]`` (valid where ``mask``) just rendered from ``(input_mode, "full")`` differ
+    from them: a scorer must not overwrite the tokens another piece sampled or scored."""
+    found = read_ragged(td, ("tokens", "full"), ("masks", "all_attention_mask"), required=False)
+    if found is None:
+        return
+    held = [row[keep].tolist() for row, keep in zip(*found)]
+    rendered = [row[keep].tolist() for row, keep in zip(ids, mask)]
+    if held == rendered:
+        return
+    row = next((i for i, (a, b) in enumerate(zip(held, rendered)) if a != b), min(len(held), len(rendered)))
+    got = f"{len(rendered[row])} tokens" if row < len(rendered) else f"{len(rendered)} rows"
+    had = f"{len(held[row])}" if row < len(held) else f"{len(held)} rows"
+    raise ValueError(
+        f"('tokens', 'full'): this scorer (input_mode={input_mode!r}) re-renders ({input_mode!r}, 'full') into "
+        f"{got} for row {row}, where the batch already holds {had} sampled or scored tokens; it would overwrite "
+        "them. Score the batch's own tokens: TransformersWrapper(model, tokenizer, input_mode='tokens', "
+        "generate=False), or tether.llm.RetrieveLogProb(wrapper)."
+    )

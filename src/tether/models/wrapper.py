@@ -32,11 +32,7 @@ from tensordict.nn import TensorDictModuleBase
 from torch import Tensor, nn
 
 from tether.models.batch_io import (
-    read_chats,
-    read_ragged,
-    read_strings,
-    write_objects,
-    write_ragged,
+    read_chats, read_ragged, read_strings, refuse_retokenising, write_objects, write_ragged,
 )
 from tether.models.chat import tokenize_chats
 from tether.models.records import HeadHidden, ScoredTokens, StepRecord
@@ -371,6 +367,8 @@ class TransformersWrapper(TensorDictModuleBase):
     # ---------------------------------------------------------------- scoring
     def _score(self, td: TensorDictBase) -> None:
         enc = self._encode(td, "full", "right")
+        if self.input_mode != "tokens":
+            refuse_retokenising(td, enc.ids, enc.mask, self.input_mode)
         stats = self.score(enc.ids, enc.mask)
         out_device = td.device if td.device is not None else enc.ids.device
         assistant = enc.assistant_mask

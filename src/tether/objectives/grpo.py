@@ -81,57 +81,64 @@ class GRPOLoss(nn.Module):
     """GRPO loss on a batch of sampled responses, with optional KL leashes.
 
     Args:
-        actor_network: the policy, a ``tether.models.TransformersWrapper`` or any
-            ``tether.models.records.Scorer`` (``score(tokens, attention_mask, *, with_entropy)
-            -> TokenStats``; with ``scores_positions = True`` it is also handed ``where=`` and
-            ``kl_to=``). Its temperature must be the sampling temperature.
-        clip_epsilon: ``eps`` or ``(low, high)`` (clip-higher, DAPO): ratios are clipped to
-            ``[1 - low, 1 + high]``.
+        actor_network: the policy, a ``tether.models.TransformersWrapper`` or any ``tether.models.records.Scorer``
+            (``score(tokens, attention_mask, *, with_entropy) -> TokenStats``; with ``scores_positions = True`` it
+            is also handed ``where=`` and ``kl_to=``). Its temperature must be the sampling temperature.
+        clip_epsilon: ``eps`` or ``(low, high)`` (clip-higher, DAPO): ratios are clipped to ``[1 - low, 1 + high]``.
         entropy_bonus: add ``-entropy_coeff * entropy`` to the loss.
-        samples_mc_entropy: accepted for TorchRL compatibility and unused: the entropy of
-            the categorical next-token distribution is exact, not a Monte-Carlo estimate.
+        samples_mc_entropy: accepted for TorchRL compatibility and unused: the entropy of the categorical next-token
+            distribution is exact, not a Monte-Carlo estimate.
         entropy_coeff: weight of the entropy bonus.
-        aggregation: a mode of ``tether.ops.AGGREGATION_MODES`` (TorchRL's ``"token_mean"``
-            and ``"prompt_mean"`` are accepted too); used for every ``loss_*`` term.
-        kl_to_ref_coeff: weight of the KL term to the reference policy; ``None`` disables it
-            (and the reference log-probs are then not needed).
-        kl_to_inference_coeff: weight of the KL term to the sampling policy; ``None``
-            disables it.
+        aggregation: a mode of ``tether.ops.AGGREGATION_MODES`` (TorchRL's ``"token_mean"`` and ``"prompt_mean"``
+            are accepted too); used for every ``loss_*`` term.
+        kl_to_ref_coeff: weight of the KL term to the reference policy; ``None`` disables it (and the reference
+            log-probs are then not needed).
+        kl_to_inference_coeff: weight of the KL term to the sampling policy; ``None`` disables it.
         kl_estimator: ``"k3"`` or ``"k2"``, the per-token KL term (``tether.ops.kl_loss_term``).
-        kl_correction: ``"importance"`` (expected gradient of KL(pi || target), also
-            off-policy) or ``None`` (raw estimator: the GRPO paper / TorchRL term, whose k3
-            gradient is that of the forward KL). Both differentiate each token's KL with its
-            context fixed; see the module docstring for the exact sequence gradient.
-        device: accepted for TorchRL compatibility; the loss holds no buffers and computes
-            on the device of the actor's log-probs.
+        kl_correction: ``"importance"`` (expected gradient of KL(pi || target), also off-policy) or ``None`` (raw
+            estimator: the GRPO paper / TorchRL term, whose k3 gradient is that of the forward KL). Both
+            differentiate each token's KL with its context fixed; see the module docstring for the exact sequence
+            gradient.
+        device: accepted for TorchRL compatibility; the loss holds no buffers and computes on the device of the
+            actor's log-probs.
         dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-c A``.
         ratio_level: ``"token"`` (PPO / GRPO) or ``"sequence"`` (GSPO).
-        importance_correction: ``None``, ``"tis"`` or ``"mis"``: reweight each token by
-            ``w = pi_old / pi_sampler`` truncated (TIS) or masked (MIS) at
-            ``importance_cap``, for a sampler (e.g. vLLM) that disagrees with the trainer.
-            ``pi_old`` is read from ``tensor_keys.old_log_probs`` (the trainer's log-probs
-            under the weights that sampled) and is then also the ratio's denominator. If
-            that key is absent, ``pi_old`` is taken as the current policy (detached): exact
-            when each batch is used for one optimiser step (then the weights were not
-            updated since sampling); with several steps per batch store the old log-probs,
-            or the ratio stays 1 and the clip never acts. With ``None`` (default) the ratio
-            is taken against the sampling log-probs, as in TorchRL, and no old log-probs
-            are read.
+        importance_correction: ``None``, ``"tis"`` or ``"mis"``: reweight each token by ``w = pi_old / pi_sampler``
+            truncated (TIS) or masked (MIS) at ``importance_cap``, for a sampler (e.g. vLLM) that disagrees with the
+            trainer. ``pi_old`` is read from ``tensor_keys.old_log_probs`` (the trainer's log-probs under the
+            weights that sampled) and is then also the ratio's denominator. If that key is absent, ``pi_old`` is
+            taken as the current policy (detached): exact when each batch is used for one optimiser step (then the
+            weights were not updated since sampling); with several steps per batch store the old log-probs, or the
+            ratio stays 1 and the clip never acts. With ``None`` (default) the ratio is taken against the sampling
+            log-probs, as in TorchRL, and no old log-probs are read.
         importance_cap: the TIS / MIS threshold (> 0).
-        normalizer: the constant per-row divisor of ``"seq-mean-token-sum-norm"`` (e.g.
-            the maximal response length, Dr. GRPO).
-        masking_strategy: TorchRL 0.14's choice of trained tokens: ``"sft"`` and ``"rlhf"``
-            the assistant mask (tether's default), ``"generic"`` every valid token that has a
-            prediction (``tensor_keys.loss_mask`` None). ``kl_mask_threshold`` and a
-            ``reduction`` other than ``"mean"`` (TorchRL 0.14) are refused by name with the
-            change to make.
+        normalizer: the constant per-row divisor of ``"seq-mean-token-sum-norm"`` (e.g. the maximal response length,
+            Dr. GRPO).
+        masking_strategy: TorchRL 0.14's choice of trained tokens: ``"sft"`` and ``"rlhf"`` the assistant mask
+            (tether's default), ``"generic"`` every valid token that has a prediction (``tensor_keys.loss_mask``
+            None). ``kl_mask_threshold`` and a ``reduction`` other than ``"mean"`` (TorchRL 0.14) are refused by
+            name with the change to make.
 
-    ``forward(td, *, denominator=None)`` returns a ``GRPOLossOutput``. ``denominator``
-    replaces the outer count of the aggregation (see ``tether.ops.aggregate_denominator``):
-    pass the full batch's count to every micro-batch and the summed micro-batch losses
-    equal the full-batch loss, gradients included. Diagnostics (``clip_fraction``,
-    ``kl_approx``, ``ESS``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``) are masked
-    token means of the batch passed in, whatever the aggregation mode.
+    ``forward(td, *, denominator=None)`` returns a ``GRPOLossOutput``. ``denominator`` replaces the outer count of
+    the aggregation (see ``tether.ops.aggregate_denominator``): pass the full batch's count to every micro-batch and
+    the summed micro-batch losses equal the full-batch loss, gradients included. Diagnostics (``clip_fraction``,
+    ``kl_approx``, ``ESS``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``) are masked token means of the batch
+    passed in, whatever the aggregation mode.
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer(); policy = tiny_causal_lm(tok, dtype=torch.float64)
+        >>> sampler = TransformersWrapper(policy, tok, generate_kwargs={"max_new_tokens": 4,
+        ...                                                             "generator": torch.Generator().manual_seed(0)})
+        >>> batch = sampler(chat_batch([[{"role": "user", "content": "Hi"}]] * 2, key=("history", "prompt")))
+        >>> batch["advantage"] = torch.tensor([1.0, 0.5]).reshape(2, 1, 1)  # one per answer (TorchRL's layout)
+        >>> scorer = TransformersWrapper(policy, tok, input_mode="tokens", generate=False)
+        >>> out = GRPOLoss(scorer, entropy_bonus=False)(batch)
+        >>> round(out.loss_objective.item(), 6)  # on-policy, ratio 1: -(4 * 1.0 + 4 * 0.5) / 8 (two 4-token answers)
+        -0.75
     """
 
     _AcceptedKeys = GRPOKeys
@@ -295,12 +302,8 @@ class GRPOLoss(nn.Module):
         zero = torch.zeros_like(cur_all)
         cur = torch.where(mask, cur_all, zero)
         base = self._ratio_base(cur, batch)
-        policy = clipped_surrogate(
-            RATIO_LEVELS[self.ratio_level](cur, base, mask),
-            batch.advantage,
-            clip_epsilon=self.clip_epsilon,
-            dual_clip=self.dual_clip,
-        )
+        policy = clipped_surrogate(RATIO_LEVELS[self.ratio_level](cur, base, mask), batch.advantage,
+                                   clip_epsilon=self.clip_epsilon, dual_clip=self.dual_clip)
         per_token = policy.loss
         if self.importance_correction is not None:
             per_token = per_token * importance_weights(

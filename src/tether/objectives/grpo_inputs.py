@@ -85,8 +85,10 @@ def _squeeze_feature(value: Tensor) -> Tensor:
     return value.squeeze(-1) if value.dim() == 3 and value.shape[-1] == 1 else value
 
 
-def _on_grid(value: Tensor, key: NestedKey, attention: Tensor, nested_tokens: bool) -> Tensor:
-    """``value`` (padded ``[B, T(, 1)]`` or jagged ``[B, j(, 1)]``) on the tokens' ``[B, T]`` grid."""
+def _on_grid(value: Tensor, key: NestedKey, attention: Tensor, nested_tokens: bool,
+             tokens_key: NestedKey = GRPOKeys.action) -> Tensor:
+    """``value`` (padded ``[B, T(, 1)]`` or jagged ``[B, j(, 1)]``) on the ``[B, T]`` grid of the
+    tokens under ``tokens_key`` (named in the errors, so each width says where it came from)."""
     if value.is_nested:
         padded = nested_to_padded(value, padding_side="right")
         rows = _squeeze_feature(padded.values)
@@ -94,19 +96,24 @@ def _on_grid(value: Tensor, key: NestedKey, attention: Tensor, nested_tokens: bo
         if rows.dim() != 2 or lengths.shape != expected.shape or not torch.equal(lengths, expected):
             raise ValueError(
                 f"{key!r}: a jagged per-token entry must have one value per valid token of each row; "
-                f"got row lengths {lengths.tolist()[:8]} for token counts {expected.tolist()[:8]}."
+                f"got row lengths {lengths.tolist()[:8]} in {key!r} for token counts {expected.tolist()[:8]} in "
+                f"{tokens_key!r}. Both must come from the same tokenisation (score the batch's tokens with "
+                "input_mode='tokens')."
             )
         return rows.new_zeros(attention.shape).masked_scatter(attention.to(rows.device), rows[padded.mask])
     value = _squeeze_feature(value)
     if nested_tokens:
         raise ValueError(
-            f"{key!r}: the tokens are jagged (nested) but this entry is padded {tuple(value.shape)}, so "
+            f"{key!r}: the tokens are jagged (nested) in {tokens_key!r} but this entry is padded "
+            f"{tuple(value.shape)}, so "
             "its alignment is unknown. Store both jagged or both padded (pad_output=True)."
         )
     if value.shape != attention.shape:
         raise ValueError(
-            f"{key!r}: expected a per-token tensor [B, T] = {tuple(attention.shape)} aligned with the "
-            f"tokens (or [B, T, 1]); got {tuple(value.shape)}."
+            f"{key!r}: expected a per-token tensor [B, T] = {tuple(attention.shape)} (the shape of the tokens "
+            f"{tokens_key!r}), or [B, T, 1]; got {tuple(value.shape)} from {key!r}. Per-token entries must be "
+            "written on the tokens they score: a scorer that re-rendered chats or text after sampling made other "
+            "tokens (score the batch's own with input_mode='tokens')."
         )
     return value
 
@@ -144,16 +151,18 @@ def _zero_outside(value: Tensor, mask: Tensor, key: NestedKey) -> Tensor:
     return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device))
 
 
-def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tokens: bool) -> Tensor:
+def _advantage(td: TensorDictBase, key: NestedKey, attention: Tensor, nested_tokens: bool,
+               tokens_key: NestedKey) -> Tensor:
     value = _fetch(td, key, "the advantages", "Compute them first (e.g. with MCAdvantage).")
     rows = attention.shape[0]
-    if value.is_nested or value.dim() == 3 or (value.dim() == 2 and value.shape[-1] != 1):
-        return _on_grid(value, key, attention, nested_tokens)
-    if value.dim() in (1, 2) and value.shape[0] == rows:
+    if not value.is_nested and value.dim() <= 3 and value.shape[:1] == (rows,) and value.numel() == rows:
+        # One advantage per answer ([B], [B, 1], TorchRL's [B, 1, 1]): broadcast over its tokens.
         return value.reshape(rows, 1)
+    if value.is_nested or value.dim() in (2, 3):
+        return _on_grid(value, key, attention, nested_tokens, tokens_key)
     raise ValueError(
-        f"{key!r}: expected advantages [B], [B, 1], [B, T] or [B, T, 1] with B = {rows}; got shape "
-        f"{tuple(value.shape)}."
+        f"{key!r}: expected advantages [B], [B, 1], [B, 1, 1] (one per answer) or [B, T], [B, T, 1] (per token) "
+        f"with B = {rows}; got shape {tuple(value.shape)}."
     )
 
 
@@ -197,7 +206,7 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
     else:
         loss_mask = _fetch(td, keys.loss_mask, "the mask of the tokens to train on",
                            "Set it with loss.set_keys(loss_mask=...).")
-        loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested)
+        loss_mask = _on_grid(loss_mask, keys.loss_mask, attention, nested, keys.action)
         check_same_device(repr(keys.loss_mask), loss_mask, repr(keys.action), attention)
         mask = check_mask(repr(keys.loss_mask), loss_mask) & attention
         if bool(mask.gather(1, first[:, None]).any()):
@@ -212,9 +221,9 @@ def read_grpo_batch(td: TensorDictBase, keys: GRPOKeys, *, with_ref: bool, with_
             "recorded at sampling time. Store them detached (tensor.detach())."
         )
     def clean(value: Tensor, key: NestedKey) -> Tensor:
-        return _zero_outside(_on_grid(value, key, attention, nested), mask, key)
+        return _zero_outside(_on_grid(value, key, attention, nested, keys.action), mask, key)
 
-    advantage = _advantage(td, keys.advantage, attention, nested)
+    advantage = _advantage(td, keys.advantage, attention, nested, keys.action)
     if advantage.shape == mask.shape:
         advantage = clean(advantage, keys.advantage)
     else:

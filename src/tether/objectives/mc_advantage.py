@@ -77,7 +77,8 @@ class MCAdvantage(nn.Module):
     Args:
         grpo_size: trajectories per prompt that make a group (>= 2).
         prompt_key: key of the prompt (string or chat) in the first step of a trajectory.
-        rewards_key: key of the rewards: ``[L]`` / ``[L, 1]`` per step, or per token
+        rewards_key: key of the rewards: ``[L]`` / ``[L, 1]`` / ``[L, 1, 1]`` per step (the
+            last is TorchRL's one reward per answer), or per token
             ``[L, T]`` / ``[L, T, 1]`` (padded, mask under ``mask_key``) or jagged.
         advantage_key: where the advantage is written, in the reward's own layout.
         done_key: key of the done flags; the last step of each trajectory must be done.
@@ -90,6 +91,17 @@ class MCAdvantage(nn.Module):
 
     ``prompt_key`` defaults to TorchRL 0.13's ``"text"``; TorchRL 0.14 reads ``"query"``
     (pass ``prompt_key="query"``; a missing ``"text"`` next to a ``"query"`` says so).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tether.objectives import MCAdvantage
+        >>> batch = TensorDict({("next", "reward"): torch.tensor([1.0, 0.0, 2.0, 2.0]).reshape(4, 1, 1),
+        ...                     ("next", "done"): torch.ones(4, 1, dtype=torch.bool)}, [4])
+        >>> batch["text"] = ["2+2?", "2+2?", "3+1?", "3+1?"]  # the prompts; two answers each
+        >>> out = MCAdvantage(grpo_size=2).add(batch)  # both groups complete: emitted with advantages
+        >>> out["advantage"].flatten()  # (r - mean) / (std + 1e-6) per group; a constant group gets 0
+        tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
     """
 
     def __init__(
@@ -281,7 +293,8 @@ class MCAdvantage(nn.Module):
             values = reward.reshape(steps, -1)
             ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
             return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))
-        if reward.dim() == 1 or (reward.dim() == 2 and reward.shape[-1] == 1):
+        if reward.numel() == steps and reward.dim() <= 3:
+            # One reward per step ([L], [L, 1], TorchRL's per-answer [L, 1, 1]): no token mask applies.
             values = reward.reshape(steps, 1)
             ones = torch.ones(values.shape, dtype=torch.bool, device=values.device)
             return _RewardEntries(values, ones, lambda adv: adv.reshape(reward.shape))

@@ -70,6 +70,24 @@ class ReferenceService:
         ready_timeout_s: longest the constructor waits for the actor to be placed and built.
         timeout_s: longest wait for any later answer of the actor (``stats``, ``load_weights``,
             ...), and the default of its clients' wait for one reply.
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer()
+        >>> ref = TransformersWrapper(tiny_causal_lm(tok, seed=1), tok, input_mode="tokens", generate=False,
+        ...                           log_probs_key="ref_log_probs")
+        >>> policy = TransformersWrapper(tiny_causal_lm(tok, seed=0), tok, generate=False)
+        >>> batch = policy(chat_batch([[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]))
+        >>> # With a cluster running: tether.ray.start_local_cluster(2), or ray.init(address=...).
+        >>> service = ReferenceService(ref, max_wait_ms=5)
+        >>> client = service.client()  # picklable: hand it to rollout workers
+        >>> tokens, mask = batch["tokens", "full"], batch["masks", "all_attention_mask"]
+        >>> torch.equal(client.score(tokens, mask), ref.score(tokens, mask).log_probs)  # one shared forward pass
+        True
+        >>> service.shutdown()
     """
 
     def __init__(

@@ -226,6 +226,25 @@ class RayKLRewardTransform(_RayTransform):
         **kwargs: the other keywords of ``KLRewardTransform`` (``coef``, ``in_keys``,
             ``out_keys``, ``log_prob_key``, ``add_to_reward``, ``tokenizer``,
             ``assistant_only``, ``padding_side``).
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer()
+        >>> ref = TransformersWrapper(tiny_causal_lm(tok, seed=1), tok, input_mode="tokens", generate=False,
+        ...                           log_probs_key="ref_log_probs")
+        >>> policy = TransformersWrapper(tiny_causal_lm(tok, seed=0), tok, generate=False)
+        >>> batch = policy(chat_batch([[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]))
+        >>> batch["next", "reward"] = torch.tensor([[1.0]])
+        >>> # With a cluster running: tether.ray.start_local_cluster(2), or ray.init(address=...).
+        >>> from tether.llm import KLRewardTransform
+        >>> remote = RayKLRewardTransform(ref_model=ref, coef=0.1)  # the reference runs in a Ray actor
+        >>> out, local = remote(batch.clone()), KLRewardTransform(ref, coef=0.1)(batch.clone())
+        >>> torch.equal(out["next", "reward"], local["next", "reward"])  # the in-process transform's values
+        True
+        >>> remote.shutdown()
     """
 
     kind = "KLRewardTransform"
@@ -271,6 +290,25 @@ class RayRetrieveKL(_RayTransform):
         **kwargs: the other keywords of ``RetrieveKL`` (``assistant_only``, ``tokenizer``,
             ``tokenizer_kwargs``, ``padding_side``, key names, ``add_to_reward``, ``coeff``,
             ``estimator``); ``detach`` must stay True.
+
+    Examples:
+        >>> import torch
+        >>> from tether.llm import chat_batch
+        >>> from tether.models import TransformersWrapper
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> tok = byte_tokenizer()
+        >>> ref = TransformersWrapper(tiny_causal_lm(tok, seed=1), tok, input_mode="tokens", generate=False,
+        ...                           log_probs_key="ref_log_probs")
+        >>> policy = TransformersWrapper(tiny_causal_lm(tok, seed=0), tok, generate=False)
+        >>> batch = policy(chat_batch([[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]))
+        >>> batch["next", "reward"] = torch.tensor([[1.0]])
+        >>> # With a cluster running: tether.ray.start_local_cluster(2), or ray.init(address=...).
+        >>> from tether.llm import RetrieveKL
+        >>> remote = RayRetrieveKL(ref_model=ref, coeff=0.1)  # gen_model None: the batch's own log-probs
+        >>> out, local = remote(batch.clone()), RetrieveKL(None, ref, coeff=0.1)(batch.clone())
+        >>> torch.equal(out["next", "kl_penalty"], local["next", "kl_penalty"])
+        True
+        >>> remote.shutdown()
     """
 
     kind = "RetrieveKL"

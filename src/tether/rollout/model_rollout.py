@@ -90,6 +90,28 @@ class RolloutFromModel:
         materialize_steps: also write TorchRL's step-wise ``input_ids`` / ``attention_mask``
             (and their ``"next"`` twins), ``[B, N, L + N]`` each. Off by default: they cost
             ``O(B * N * (L + N))``; ``stepwise_views(td)`` builds them on demand.
+
+    Examples:
+        >>> import torch
+        >>> from tether.models import frozen_copy
+        >>> from tether.models.tiny import byte_tokenizer, tiny_causal_lm
+        >>> from tether.rollout import PromptBatch
+        >>> tok = byte_tokenizer()
+        >>> policy = tiny_causal_lm(tok)
+        >>> def score(input_ids, attention_mask):  # a stand-in reward model: 0.1 per token
+        ...     return None, 0.1 * attention_mask.sum(-1).float()
+        >>> rollout = RolloutFromModel(policy, frozen_copy(policy), score, max_new_tokens=4, tokenizer=tok,
+        ...                            generator=torch.Generator().manual_seed(0))
+        >>> ids = torch.tensor([tok("2+2=").input_ids, tok("1+3=").input_ids])
+        >>> td = rollout.rollout_from_data(PromptBatch.from_tensors(ids, torch.ones_like(ids, dtype=torch.bool),
+        ...                                                         torch.tensor([4, 4])))
+        >>> td.batch_size  # [B, N]: one step per new token
+        torch.Size([2, 4])
+        >>> # The score of prompt + answer minus the prompt's own, 0.1 * 4 new tokens, at the last step;
+        >>> # the reference is the policy, so the KL part is 0.
+        >>> td["next", "reward"].squeeze(-1)
+        tensor([[0.0000, 0.0000, 0.0000, 0.4000],
+                [0.0000, 0.0000, 0.0000, 0.4000]])
     """
 
     def __init__(

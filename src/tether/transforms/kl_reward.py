@@ -145,6 +145,24 @@ class KLRewardTransform(TensorDictModuleBase):
 
     Shapes: the action log-probs are ``[*B]`` or ``[*B, 1]`` and the reward ``[*B, 1]`` or
     ``[*B]``; the outputs have the reward's shape and dtype.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import NormalParamExtractor, TensorDictModule
+        >>> from tensordict.nn import ProbabilisticTensorDictModule as Prob, ProbabilisticTensorDictSequential as Seq
+        >>> from tether.transforms import KLRewardTransform
+        >>> net = TensorDictModule(torch.nn.Sequential(torch.nn.Linear(3, 2), NormalParamExtractor()),
+        ...                        in_keys=["observation"], out_keys=["loc", "scale"])
+        >>> actor = Seq(net, Prob(in_keys=["loc", "scale"], out_keys=["action"],
+        ...                       distribution_class=torch.distributions.Normal, return_log_prob=True))
+        >>> transform = KLRewardTransform(actor, coef=0.1)  # pi_0: the actor's weights now
+        >>> td = TensorDict({"observation": torch.zeros(2, 3), "action": torch.zeros(2, 1),
+        ...                  "reward": torch.ones(2, 1)}, [2])
+        >>> td[transform.log_prob_key] = transform.reference_log_prob(td) + 0.5  # log pi(a) = log pi_0(a) + 0.5
+        >>> transform(td)["reward"]  # 1 - 0.1 * 0.5
+        tensor([[0.9500],
+                [0.9500]])
     """
 
     def __init__(
