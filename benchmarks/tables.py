@@ -125,7 +125,78 @@ def grid_provenance(runs: list[dict[str, Any]]) -> str:
             f"`kl_bound` {shape['kl_bound']:g}, {shape['threads']} thread(s) each: {where}.")
 
 
+def leash_toy(rows: list[dict[str, Any]]) -> str:
+    """The budget on the toy plant: push on and off, and what Adam's moments do after a move."""
+    lines = ["| lr | push | Adam after a move | steps 5-16 in band, mean (worst run) | final reward / scale "
+             "| largest KL / target | rejected |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["lr"], not r["push"], r["moments"] != "keep", r["moments"])):
+        lines.append(f"| {r['lr']:g} | {'on' if r['push'] else 'off'} | {r['moments']} | {r['in_band_mean']:.0%} "
+                     f"({r['in_band_worst']:.0%}) | {r['reward_over_scale']:.3f} | {r['peak_over_target']:.2f} "
+                     f"| {r['rejected']} |")
+    stamps = sorted({(r["machine"], r["commit"], r["date"]) for r in rows})
+    return "\n".join(lines) + "\n\n" + "; ".join(f"{m}, commit {c}, {d}" for m, c, d in stamps) + (
+        f"; {rows[0]['runs']} runs a row." if rows else "")
+
+
+def _newest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest record of each seed, by seed."""
+    newest: dict[int, dict[str, Any]] = {}
+    for r in records:  # appended in time order
+        newest[r["seed"]] = r
+    return [newest[k] for k in sorted(newest)]
+
+
+def default_run_heldout(records: list[dict[str, Any]]) -> str:
+    """The default run, each recorded seed a column: held-out results and the leash's counts."""
+    runs = _newest(records)
+    if not runs:
+        return "No default run recorded yet (`make train && python benchmarks/default_run.py`)."
+    head = "| | " + " | ".join(f"seed {r['seed']}" for r in runs) + " |"
+    rows = [head, "|---|" + "---|" * len(runs)]
+
+    def line(label: str, cell: Callable[[dict], str]) -> None:
+        rows.append(f"| {label} | " + " | ".join(cell(r) for r in runs) + " |")
+
+    line("held-out accuracy before → after (greedy)",
+         lambda r: f"{100 * r['summary']['accuracy_before']:.1f} % → **{100 * r['summary']['accuracy_after']:.1f} %**")
+    line("held-out exact KL per answer: sampled at the training temperature / greedy answers",
+         lambda r: f"{r['summary']['eval_kl_sampled_per_seq']:.2f} / {r['summary']['eval_kl_per_seq']:.2f}")
+    line("kept weights' KL per answer, last 3 steps (target 3)",
+         lambda r: f"{statistics.fmean(s['kl_kept_per_seq'] for s in r['steps'][-3:]):.2f}")
+    line("steps 3-16 whose batch read within ±25 % of the target",
+         lambda r: f"{sum(abs(s['kl_exact_per_seq'] / r['config']['kl_target'] - 1) <= BAND for s in r['steps'][2:])} of "
+                   f"{len(r['steps'][2:])}")
+    line("kept weights over `kl_bound` / rejected updates",
+         lambda r: f"{r['summary']['steps_over_kl_bound']} / {r['summary'].get('steps_rejected', 0)}")
+    line("leash readings: count, share of the step time",
+         lambda r: f"{int(sum(s.get('kl_move_forwards', 0) for s in r['steps']))}, "
+                   f"{sum(s.get('kl_move_seconds', 0) for s in r['steps']) / sum(s['step_time'] for s in r['steps']):.1%}")
+    line("seconds in steps", lambda r: f"{r['summary']['seconds_in_steps']:.0f}")
+    line("recorded at", lambda r: f"{r['commit']}, {r['date']}")
+    machines = sorted({r["machine"] for r in runs})
+    return "\n".join(rows) + "\n\nMachine: " + "; ".join(machines) + "."
+
+
+def default_run_steps(records: list[dict[str, Any]]) -> str:
+    """Seed 0's steps: the exact KL of each batch, the scale kept, beta."""
+    runs = [r for r in _newest(records) if r["seed"] == 0]
+    if not runs:
+        return "No seed-0 default run recorded yet."
+    steps = runs[0]["steps"]
+    quarters = [steps[i:i + 4] for i in range(0, len(steps), 4)]
+    rows = ["| steps | " + " | ".join(f"{q[0]['step']}-{q[-1]['step']}" for q in quarters) + " |",
+            "|---|" + "---|" * len(quarters)]
+    for label, key, fmt in (("exact KL / answer of the batch", "kl_exact_per_seq", "{:.2f}"),
+                            ("kept weights' KL / answer", "kl_kept_per_seq", "{:.2f}"),
+                            ("scale kept", "kl_move_scale", "{:.2g}"), ("β", "kl_coef", "{:.2f}")):
+        rows.append(f"| {label} | " + " | ".join(", ".join(fmt.format(s[key]) for s in q) for q in quarters) + " |")
+    return "\n".join(rows)
+
+
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
+    "leash-toy": ("docs/leash.md", lambda: leash_toy(_results.read("leash_toy"))),
+    "default-run": ("docs/getting-started.md", lambda: default_run_heldout(_results.read("default_run"))),
+    "default-run-steps": ("docs/getting-started.md", lambda: default_run_steps(_results.read("default_run"))),
     "leash-grid-push": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), True)),
     "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
     "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
@@ -172,7 +243,7 @@ PLOTS: dict[str, Callable[[Path], None]] = {"docs/leash-budget.png": plot_grid}
 
 
 # ------------------------------------------------------------------------------ pages
-_BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(\n<!-- /table -->)", re.S)
+_BLOCK = re.compile(r"<!-- table:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table -->", re.S)
 
 
 def rebuild(text: str, page: str) -> tuple[str, list[str]]:
@@ -183,10 +254,10 @@ def rebuild(text: str, page: str) -> tuple[str, list[str]]:
         name = match["name"]
         if name not in TABLES or TABLES[name][0] != page:
             raise SystemExit(f"{page}: table {name!r} has no builder in benchmarks/tables.py (known: {sorted(TABLES)})")
-        body = TABLES[name][1]()
+        body = TABLES[name][1]() + "\n"
         if body != match["body"]:
             changed.append(name)
-        return match.group(1) + body + match.group(4)
+        return f"<!-- table:{name} -->\n{body}<!-- /table -->"
 
     return _BLOCK.sub(fill, text), changed
 
