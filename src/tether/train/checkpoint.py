@@ -283,6 +283,7 @@ def _check_fits(file: Path, saved: dict[str, torch.Tensor], model: dict[str, tor
 # Config keys a resume may change: how long the run goes on and how it is saved, not what it computes.
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "threads")
 _NOT_COMPARED = ("out", "overwrite")  # where the run lives and how it was started, not what it is
+_START_LEFTOVERS = (".config.yaml.tmp",)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "plots", "checkpoints", "best", "completions.jsonl",
              "tensorboard")
 
@@ -301,7 +302,8 @@ def check_new_run_dir(cfg: TrainConfig) -> None:
     run_dir = Path(cfg.out)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"out: {run_dir} is a file, expected a run directory; choose another --out.")
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    # what a process killed while starting the run left half-written holds nothing of a run
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name not in _START_LEFTOVERS) if run_dir.is_dir() else []
     if entries and not cfg.overwrite:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise RunDirError(
@@ -322,7 +324,7 @@ def clear_run_dir(cfg: TrainConfig, *, restart: bool = False) -> None:
     run_dir = Path(cfg.out)
     if not restart:
         check_new_run_dir(cfg)  # again: the directory may have changed while the models loaded
-    for name in RUN_FILES:
+    for name in (*RUN_FILES, *_START_LEFTOVERS, ".summary.json.tmp"):
         path = run_dir / name
         if restart and name == "config.yaml":
             continue

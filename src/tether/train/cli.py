@@ -123,7 +123,9 @@ def _train_parser(sub) -> None:
                    "its config.yaml; flags may change only steps, the checkpoint cadence and threads. A finished "
                    "run (its newest checkpoint at steps, summary.json written) is left as it is, with one line "
                    "saying so: extend it with --steps N, score it with tether eval RUN_DIR. A run stopped during "
-                   "its final evaluation (no summary.json) runs that evaluation again.")
+                   "its final evaluation (no summary.json) runs that evaluation again; one stopped before its first "
+                   "checkpoint starts again from step 0 with its config.yaml. Either way the run directory is "
+                   "checked first: an edited config.yaml or a damaged log is named.")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     for f in fields(TrainConfig):
         flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -265,8 +266,10 @@ def close_run(run: Run, opened: Opened) -> dict[str, Any]:
         return {}
     run.tracker.scalars({"step": run.cfg.steps, **held_out_metrics(after)})
     summary = summarize(run, opened.eval_before, after, time.perf_counter() - opened.wall)
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot_metrics(run.dir)
+    # Atomically: a run is finished once summary.json is there (a kill while it is written leaves none).
+    (run.dir / ".summary.json.tmp").write_text(json.dumps(summary, indent=1))
+    os.replace(run.dir / ".summary.json.tmp", run.dir / "summary.json")
+    plot_metrics(run.dir)  # they draw the held-out markers from summary.json
     return summary
 
 
