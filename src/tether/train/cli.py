@@ -209,7 +209,7 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
-    from tether.train.run_state import finished_line
+    from tether.train.run_state import RunStopped, finished_line
     from tether.train.sharding import leave_ranks
 
     cfg = None
@@ -226,7 +226,7 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
         with interrupts_reach_the_run():
             summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
         leave_ranks()  # a sharded run: every rank ends its process group together
-    except _USER_ERRORS as exc:
+    except (*_USER_ERRORS, RunStopped) as exc:  # RunStopped: a process the run needs died; the line says why
         return _fail("train", exc)
     except KeyboardInterrupt as exc:  # Ctrl-C: one line naming the checkpoint to resume from, status 130
         return report_interruption(cfg, exc, copied=train_fn is not None)

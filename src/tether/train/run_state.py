@@ -23,6 +23,11 @@ from tether.train.config import TrainConfig
 from tether.train.jsonl import read_jsonl
 
 
+class RunStopped(RuntimeError):
+    """A process the run depends on died (a Ray rollout worker): the run stops with one line naming
+    what its directory holds to resume from. The CLI reports it as it reports a user error."""
+
+
 class RestartNote(UserWarning):
     """``--resume`` of a run stopped before its first checkpoint: it starts again from step 0."""
 
