@@ -161,7 +161,8 @@ def _mlflow_problem(store: str, exc: BaseException) -> str:
         fix = ("MLflow 3 refuses file stores: set MLFLOW_TRACKING_URI=sqlite:///PATH/mlflow.db, or unset it "
                "(tether then writes RUN/mlflow.db), or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
     else:
-        fix = "check that MLFLOW_TRACKING_URI names a store MLflow can open, or unset it (tether then writes RUN/mlflow.db)"
+        fix = ("check that MLFLOW_TRACKING_URI names a store MLflow can open, or unset it (tether then writes "
+               "RUN/mlflow.db)")
     return f"report_to: mlflow cannot open a run in {store} ({type(exc).__name__}: {said}); {fix}."
 
 

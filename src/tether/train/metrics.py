@@ -418,8 +418,9 @@ def held_out_metrics(result: dict[str, Any], *, with_kl: bool = True) -> dict[st
         if isinstance(value, dict):  # rewards per function, tool statistics
             prefix = "eval_reward/" if key == "rewards" else "eval_"
             out.update({f"{prefix}{name}": v for name, v in value.items() if isinstance(v, (int, float))})
-        elif key != "n" and isinstance(value, (int, float)) and not isinstance(value, bool) and (with_kl or "kl" not in key):
-            out[f"eval_{key}"] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "n":
+            if with_kl or "kl" not in key:
+                out[f"eval_{key}"] = value
     return out
 
 
