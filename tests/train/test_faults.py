@@ -135,6 +135,22 @@ def test_resume_checks_a_finished_run_as_an_unfinished_one(finished_lora, tmp_pa
     assert snapshot(run) == before
 
 
+def test_a_finished_run_refuses_a_base_replaced_in_place(tmp_path, capsys):
+    """A finished LoRA run on model directory A whose weights are then replaced by B's (same shapes,
+    another seed): `--resume` names the base and both weight fingerprints, as an unfinished run's
+    resume does, exit 2. Before: "is finished", exit 0."""
+    a, b = save_tiny(tmp_path / "a", seed=0), save_tiny(tmp_path / "b", seed=1)
+    run = tmp_path / "run"
+    train(tiny_cfg(run, steps=1, model=str(a), lora_rank=2, lora_targets="q_proj,v_proj"), progress=False)
+    recorded = json.loads((run / "checkpoints" / "step_000001" / "state.json").read_text())["base"]
+    shutil.copy(b / "model.safetensors", a / "model.safetensors")
+    capsys.readouterr()
+    assert main(["train", "--quiet", "--resume", str(run)]) == 2
+    line = one_error_line(capsys)
+    assert f"trained on base model '{a}' (weights {recorded['weights'][:12]}" in line, line
+    assert f"now loads weights {recorded['weights'][:12]}" not in line
+
+
 def test_an_untouched_finished_run_is_still_left_as_it_is(finished_lora, tmp_path, capsys):
     """The checks pass on the run as written: the one 'is finished' line, exit 0."""
     run = Path(shutil.copytree(finished_lora, tmp_path / "run"))

@@ -2,9 +2,9 @@
 resumable, each checked for consistency before anything is loaded or written.
 
 A finished run (newest intact checkpoint at ``steps``, ``summary.json`` written) is left as it is,
-but only after the checks a resume makes without loading the models: ``config.yaml`` against the
-config the checkpoint recorded, ``metrics.jsonl`` holding each of its steps once, and
-``completions.jsonl`` and ``summary.json`` readable. A run stopped before its first checkpoint
+but only after the checks a resume makes: ``config.yaml`` against the config the checkpoint
+recorded, the base model against its fingerprint there, ``metrics.jsonl`` holding each of its
+steps once, and ``completions.jsonl`` and ``summary.json`` readable. A run stopped before its first checkpoint
 lost nothing that a restart does not recompute: it starts again from step 0 with its
 ``config.yaml`` (flags may change only what a resume may) and says so in one line.
 """
@@ -45,7 +45,8 @@ def finished_line(cfg: TrainConfig) -> str | None:
     step = int(state["step"])
     if step != cfg.steps or not (run_dir / "summary.json").is_file():
         return None
-    check_record(path, state, cfg, {}, RESUMABLE_KEYS)  # the base's fingerprint needs the model: not loaded
+    check_record(path, state, cfg, {}, RESUMABLE_KEYS)  # the config first: an edited model is named, not loaded
+    check_record(path, state, cfg, base_fingerprint(cfg), RESUMABLE_KEYS)
     check_logs(run_dir, step)
     summary = run_dir / "summary.json"
     try:
@@ -56,6 +57,16 @@ def finished_line(cfg: TrainConfig) -> str | None:
     quoted = shlex.quote(str(run_dir))
     return (f"tether train: {run_dir} is finished (step {step} of {cfg.steps}, summary.json written); nothing to "
             f"resume. Train on with --resume {quoted} --steps N (N > {step}); score it with tether eval {quoted}.")
+
+
+def base_fingerprint(cfg: TrainConfig) -> dict[str, str]:
+    """The fingerprint of ``cfg.model``'s base weights and tokenizer as a run loads them (the model is
+    loaded, no adapter and no optimizer): a finished run refuses a base replaced in place, too."""
+    from tether.models.loading import fingerprint, load_base
+    from tether.train.sharding import resolve_dtype
+
+    base, tokenizer = load_base(cfg.model, cfg.seed, resolve_dtype(cfg.dtype))
+    return fingerprint(base, tokenizer)
 
 
 def check_logs(run_dir: Path, step: int) -> None:
