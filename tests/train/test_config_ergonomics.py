@@ -294,7 +294,9 @@ def test_trl_beta_zero_is_a_constant_zero_coefficient(tmp_path):
 @pytest.mark.parametrize("name,value", [("use_vllm", False), ("logging_steps", 1), ("push_to_hub", "false"),
                                         ("fp16", False), ("top_p", 1.0), ("disable_dropout", True),
                                         ("vllm_importance_sampling_clip_min", 0.0), ("optim", "adamw_torch"),
-                                        ("hub_model_id", None), ("vllm_importance_sampling_correction", False)])
+                                        ("hub_model_id", None), ("vllm_importance_sampling_correction", False),
+                                        ("vllm_gpu_memory_utilization", 0.9), ("remove_unused_columns", False),
+                                        ("use_bias_correction_kl", True), ("log_completions_hub_repo", None)])
 def test_trl_values_that_ask_for_what_tether_does_are_accepted(name, value):
     """A TRL setting without a tether key, at a value that asks for what tether does anyway, is
     accepted with one note and changes nothing. Before: refused as having no tether equivalent."""
@@ -312,6 +314,8 @@ def test_trl_values_that_ask_for_what_tether_does_are_accepted(name, value):
      r"vllm_importance_sampling_mode \(TRL, -> importance_correction\): expected one of \['token_mask', "
      r"'token_truncate'\], got 'sequence_mask'"),
     ({"vllm_importance_sampling_clip_min": 0.5}, "no tether equivalent: .*only an upper threshold, importance_cap"),
+    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold .*no tether equivalent: DeepSeek-V3.2"),
+    ({"shuffle_dataset": False}, "shuffle_dataset .*pure function of \\(seed, step\\)"),
 ])
 def test_trl_values_tether_cannot_honour_name_what_to_use(values, match):
     """The same names at values tether cannot honour stay refused, pointing at what to use (the

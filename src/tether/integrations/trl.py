@@ -41,6 +41,7 @@ class TRLName:
 
 _YES, _NO = ("true", "1", "yes"), ("false", "0", "no")
 _UNSET = ("none", "null", "")  # YAML's null, or a TRL default of None given explicitly
+_ANY = ("*",)  # settings TRL reads only for a feature tether refuses elsewhere (vLLM, loss_type=sapo): inert
 
 
 def _no_kl(value: Any) -> dict[str, Any]:
@@ -166,6 +167,36 @@ TRL_NAMES: dict[str, TRLName] = {
                             accepted=_UNSET),
     "hub_strategy": TRLName(None, "tether export RUN OUT --push-to-hub REPO pushes the exported model once",
                             accepted=("end", *_UNSET)),
+    "remove_unused_columns": TRLName(None, "every dataset column reaches the reward functions", accepted=_NO),
+    "num_generations_eval": TRLName(None, "each held-out prompt is answered once, greedily", accepted=_UNSET),
+    "shuffle_dataset": TRLName(None, "training problems are drawn from the data by a pure function of (seed, step)",
+                               accepted=_YES),
+    "ds3_gather_for_generation": TRLName(None, "no DeepSpeed: a sharded learner (--nproc) gathers the weights to "
+                                         "sample", switch=True, accepted=_YES),
+    "generation_kwargs": TRLName(None, _FULL_SOFTMAX, accepted=_UNSET),
+    "chat_template_kwargs": TRLName(None, "prompts are rendered with the tokenizer's chat template as it is "
+                                    "(prompt_format=text feeds them unrendered)", accepted=_UNSET),
+    "use_transformers_paged": TRLName(None, "tether samples with its own KV-cache sampler", switch=True,
+                                      accepted=_NO),
+    "cache_implementation": TRLName(None, "tether samples with its own KV-cache sampler", accepted=_UNSET),
+    **{name: TRLName(None, "there is no vLLM in tether (see use_vllm); TRL reads this only with use_vllm=true, "
+                     "so any value is inert", accepted=_ANY)
+       for name in ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+                    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+                    "vllm_group_port", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+                    "vllm_tensor_parallel_size")},
+    **{name: TRLName(None, "TRL reads it only with loss_type=sapo, which has no tether equivalent; inert",
+                     accepted=_ANY) for name in ("sapo_temperature_neg", "sapo_temperature_pos")},
+    "max_tool_calling_iterations": TRLName(None, "the tool task's turns are limited by max_turns "
+                                           "(--task arithmetic-tools)", accepted=_UNSET),
+    "off_policy_mask_threshold": TRLName(None, "DeepSeek-V3.2's off-policy sequence mask has no tether "
+                                         "equivalent; importance_correction=mis masks per token", accepted=_UNSET),
+    "use_bias_correction_kl": TRLName(None, "tether's KL loss term is always importance-weighted by the sampler's "
+                                      "log-probs, so its gradient stays unbiased off-policy", switch=True,
+                                      accepted=_YES),
+    "log_unique_prompts": TRLName(None, "use log_completions_every=K", switch=True, accepted=_NO),
+    "log_completions_hub_repo": TRLName(None, "logged completions go to completions.jsonl and the trackers; tether "
+                                        "uploads nothing", accepted=_UNSET),
     "hub_private_repo": TRLName(None, "create the repo private before tether export --push-to-hub pushes to it",
                                 switch=True, accepted=(*_NO, *_UNSET)),
 }
@@ -183,7 +214,7 @@ class Translation:
 
 def _translate_one(name: str, entry: TRLName, raw: Any, fields: Collection[str]) -> tuple[Any, str]:
     """``(tether value, note)``; raises ``ValueError`` with the problem."""
-    if entry.target is None and str(raw).strip().lower() in entry.accepted:
+    if entry.target is None and (entry.accepted == _ANY or str(raw).strip().lower() in entry.accepted):
         return None, f"TRL's {name}={raw} asks for what tether does ({entry.note})"
     if entry.target is None:
         raise ValueError(f"{name} (a TRL GRPOConfig name) has no tether equivalent: {entry.note}")
