@@ -225,6 +225,21 @@ def test_a_disk_that_fills_during_a_checkpoint_loses_nothing(clean3, tmp_path, m
     assert_same_weights(_weights(run), _weights(clean3))
 
 
+def test_another_write_error_keeps_its_traceback(tmp_path, monkeypatch, capsys):
+    """Only a full disk is turned into the checkpoint line: an EIO from the writer (here the test's,
+    standing for a dependency) keeps the CLI's line with where it was raised and its traceback."""
+    import tether.train.checkpoint as checkpoint
+
+    def failing(tensors, path):
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    assert main(["train", "--quiet", *_args(tiny_cfg(tmp_path / "run", steps=1))]) == 2
+    err = capsys.readouterr().err
+    assert "Input/output error" in err and "Traceback" in err and "the disk filled" not in err
+    assert f"was raised in {Path(__file__).resolve()}" in err
+
+
 def test_a_jsonl_dataset_line_that_does_not_parse_is_named(tmp_path, capsys):
     """--dataset rows.jsonl whose line 2 misses a comma: one line with the file and line 2
     (datasets reported a byte position in the whole file, no line)."""
