@@ -271,3 +271,15 @@ def peft_model(base: Any, config: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
         return peft.get_peft_model(base, config)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says a write ran out of space: ``OSError`` ENOSPC/EDQUOT, or the
+    ``SafetensorError`` safetensors raises with the OS error in its text (it wraps Rust's I/O error)."""
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return type(exc).__name__ == "SafetensorError" and ("No space left" in text or "StorageFull" in text
+                                                        or "Disk quota" in text)

@@ -196,3 +196,51 @@ def test_errors():
         aggregate(values[0], mask[0])
     with pytest.raises(ValueError, match=r"values must be a tensor with the mask's shape \(2, 4\); got \(2, 3\)"):
         aggregate(values[:, :3], mask)
+
+
+# ------------------------------------------------------------------------------ issue 43, item 7: range
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.floats(-F32_MAX, F32_MAX, width=32), st.booleans()), min_size=4, max_size=4),
+                min_size=1, max_size=4),
+       st.sampled_from(MODES))
+def test_float32_results_are_finite_wherever_the_exact_one_is_representable(rows, mode):
+    """float32 values anywhere in float32's range: wherever the exact result (Python floats, float64
+    by hand, the naive reference) is representable in float32 (here: |result| <= max / 2, away from
+    the rounding edge), aggregate gives it to float32's rounding, never inf. A plain float32 sum
+    overflows first: two values of 1.1e38 already sum past 3.4e38."""
+    values = torch.tensor([[v for v, _ in row] for row in rows], dtype=torch.float32)
+    mask = torch.tensor([[m for _, m in row] for row in rows])
+    exact = _naive(values.double(), mask, mode)
+    got = aggregate(values, mask, mode, **_kwargs(mode))
+    if abs(exact) <= F32_MAX / 2:
+        assert torch.isfinite(got), (exact, got)
+        assert float(got) == pytest.approx(exact, rel=1e-6, abs=1e-30 + 1e-6 * max(abs(v) for r in rows for v, _ in r))
+
+
+def test_values_near_the_float32_limit_keep_their_mean_and_gradient():
+    """Every token 1.1e38 (float32, 2x3 valid): each mode's exact value is 1.1e38 (3.3e38 per row
+    for seq-mean-token-sum, still below 3.403e38); the gradient of token-mean is 1/6 per token,
+    as for small values. Before: inf (the six-token sum is 6.6e38)."""
+    values = torch.full((2, 3), 1.1e38, requires_grad=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    for mode, want in (("token-mean", 1.1e38), ("seq-mean-token-mean", 1.1e38), ("seq-mean-token-sum", 3.3e38),
+                       ("seq-mean-token-sum-norm", 1.1e38 * 3 / NORM)):
+        assert float(aggregate(values, mask, mode, **_kwargs(mode)).detach()) == pytest.approx(want, rel=1e-6), mode
+    aggregate(values, mask).backward()
+    assert torch.equal(values.grad, torch.full((2, 3), 1 / 6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, width=32), min_size=6, max_size=6), st.sampled_from(MODES))
+def test_the_scaling_leaves_ordinary_values_bit_equal(flat, mode):
+    """Away from the limits the exact power-of-two scaling changes no bit: the result equals the
+    plain float32 reduction (sum of the kept values, divided by the count) exactly."""
+    values = torch.tensor(flat, dtype=torch.float32).reshape(2, 3)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    kept = torch.where(mask, values, 0.0)
+    plain = {"token-mean": kept.sum() / 5, "seq-mean-token-mean": (kept.sum(-1) / mask.sum(-1)).sum() / 2,
+             "seq-mean-token-sum": kept.sum(-1).sum() / 2, "seq-mean-token-sum-norm": (kept.sum(-1) / NORM).sum() / 2}
+    assert torch.equal(aggregate(values, mask, mode, **_kwargs(mode)), plain[mode])

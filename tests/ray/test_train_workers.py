@@ -75,3 +75,34 @@ def test_config_accepts_workers_and_refuses_negative_counts(tmp_path):
     for bad in (0.0, float("inf")):
         with pytest.raises(ValueError, match=rf"ray_timeout: expected a finite number > 0, got {bad}\. It is in seconds"):
             tiny_cfg(tmp_path, ray_timeout=bad).validate()
+
+
+def test_a_worker_killed_mid_run_stops_with_one_line_naming_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """`tether train --workers 2`, a checkpoint every step; just as step 2's rollout starts, worker 0
+    is killed (fault injection: ray.kill before the pool sends it rows; it has max_restarts=0). The
+    CLI exits 2 with one line: the step, the dead worker's error, and step 1's checkpoint with the
+    resume command; the cluster's CPUs are free again. Before: Ray's ActorDiedError traceback."""
+    from tether.ray import RolloutPool
+    from tether.train.cli import main
+
+    real, calls = RolloutPool.rollout, []
+
+    def killing(pool, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            ray.kill(pool.workers[0], no_restart=True)
+        return real(pool, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutPool, "rollout", killing)
+    run = tmp_path / "ray"
+    args = [f"{k}={v}" for k, v in tiny_cfg(run, checkpoint_every=1, steps=3).__dict__.items()]
+    with pytest.warns(UserWarning, match="sampled KL"):
+        assert main(["train", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    line = err.rstrip("\n").split("\n")[-1]
+    assert line.startswith("tether train: step 2: a Ray rollout worker died (") and "ActorDied" in line, line
+    assert line.endswith(f"the run stopped before the step's update. {run} holds the checkpoints of steps 1; "
+                         f"continue with tether train --resume {run}."), line
+    assert [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()] == [1]
+    assert wait_for_free_cpus(2.0) == 2.0

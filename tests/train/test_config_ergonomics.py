@@ -256,3 +256,80 @@ def test_only_tethers_own_warnings_carry_the_tether_prefix():
     assert "/lib/other/thing.py:7: UserWarning: a user warning of another library" in lines
     assert "tether: TRLNameNote: TRL's beta=0.1 read as kl_coef=0.1" in lines
     assert not any(line.startswith(("tether: FutureWarning", "tether: UserWarning")) for line in lines), lines
+
+
+# ------------------------------------------------------------------------------ issue 43, item 5
+def _notes(values: dict) -> tuple[TrainConfig, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = TrainConfig().override(values)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, TRLNameNote)]
+
+
+def test_trl_beta_zero_is_a_constant_zero_coefficient(tmp_path):
+    """TRL's default beta=0.0 (no KL term) reads as kl_coef=0 with kl_controller=constant and
+    validates; a 2-step tiny run with --beta 0.0 logs kl_coef 0 at each step and still measures the
+    KL (finite, and 0 at step 1 where policy and reference agree). beta=0 with another controller
+    given is refused naming both. Before: refused with init_kl_coef's range."""
+    import json
+
+    cfg, notes = _notes({"beta": "0.0"})
+    assert (cfg.kl_coef, cfg.kl_controller) == (0.0, "constant") and cfg.validate() is cfg
+    assert len(notes) == 1 and "no KL term" in notes[0]
+    with pytest.raises(ValueError, match=r"beta=0 \(TRL\) needs kl_controller=constant, got kl_controller=budget"):
+        TrainConfig().override({"beta": 0, "kl_controller": "budget"})
+    assert TrainConfig().override({"beta": 0.04}).kl_controller == "budget"  # only 0 implies constant
+    run = tmp_path / "run"
+    args = ["train", "--model", "tiny", "--beta", "0.0", "--steps", "2", "--prompts-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "2", "--eval-max-new-tokens", "4",
+            "--lora-rank", "0", "--learning-rate", "1e-3", "--out", str(run), "--quiet"]
+    with pytest.warns(TRLNameNote):
+        assert main(args) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kl_coef"] for r in records] == [0.0, 0.0]
+    assert records[0]["kl_per_seq"] == pytest.approx(0.0, abs=1e-6)
+    assert all(r["kl_per_seq"] == r["kl_per_seq"] for r in records)
+
+
+@pytest.mark.parametrize("name,value", [("use_vllm", False), ("logging_steps", 1), ("push_to_hub", "false"),
+                                        ("fp16", False), ("top_p", 1.0), ("disable_dropout", True),
+                                        ("vllm_importance_sampling_clip_min", 0.0), ("optim", "adamw_torch"),
+                                        ("hub_model_id", None), ("vllm_importance_sampling_correction", False),
+                                        ("vllm_gpu_memory_utilization", 0.9), ("remove_unused_columns", False),
+                                        ("use_bias_correction_kl", True), ("log_completions_hub_repo", None)])
+def test_trl_values_that_ask_for_what_tether_does_are_accepted(name, value):
+    """A TRL setting without a tether key, at a value that asks for what tether does anyway, is
+    accepted with one note and changes nothing. Before: refused as having no tether equivalent."""
+    cfg, notes = _notes({name: value})
+    assert cfg == TrainConfig()
+    assert len(notes) == 1 and notes[0].startswith(f"TRL's {name}={value} asks for what tether does (")
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"use_vllm": True}, r"use_vllm \(a TRL GRPOConfig name\) has no tether equivalent: tether samples"),
+    ({"logging_steps": 10}, "no tether equivalent: tether logs every step"),
+    ({"push_to_hub": True}, r"push_to_hub .*tether export RUN OUT --push-to-hub REPO"),
+    ({"hub_model_id": "me/model"}, r"hub_model_id .*tether export RUN OUT --push-to-hub HUB_MODEL_ID"),
+    ({"vllm_importance_sampling_mode": "sequence_mask"},
+     r"vllm_importance_sampling_mode \(TRL, -> importance_correction\): expected one of \['token_mask', "
+     r"'token_truncate'\], got 'sequence_mask'"),
+    ({"vllm_importance_sampling_clip_min": 0.5}, "no tether equivalent: .*only an upper threshold, importance_cap"),
+    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold .*no tether equivalent: DeepSeek-V3.2"),
+    ({"shuffle_dataset": False}, "shuffle_dataset .*pure function of \\(seed, step\\)"),
+])
+def test_trl_values_tether_cannot_honour_name_what_to_use(values, match):
+    """The same names at values tether cannot honour stay refused, pointing at what to use (the
+    export command for the hub; importance_cap for the clip). Before: push_to_hub and
+    hub_model_id got "no close match", the importance-sampling mode and clip_min a hint at the
+    deprecated vllm_importance_sampling_cap."""
+    with pytest.raises(ValueError, match=match):
+        TrainConfig().override(values)
+
+
+def test_trl_importance_sampling_mode_maps_to_importance_correction():
+    """TRL 1.16's token-level modes are tether's per-token weights: token_truncate -> tis,
+    token_mask -> mis; with vllm_importance_sampling_clip_max as the cap."""
+    for mode, want in (("token_truncate", "tis"), ("token_mask", "mis")):
+        cfg, notes = _notes({"vllm_importance_sampling_mode": mode, "vllm_importance_sampling_clip_max": 3.0})
+        assert (cfg.importance_correction, cfg.importance_cap) == (want, 3.0) and len(notes) == 2
+        cfg.validate()

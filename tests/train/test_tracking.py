@@ -37,18 +37,21 @@ def tracked(tmp_path_factory) -> Path:
 
 def test_tensorboard_scalars_equal_the_jsonl(tracked):
     """Every numeric key of every metrics.jsonl line is a TensorBoard scalar at that step, with
-    the value rounded to float32 (TensorBoard's storage), and nothing else is there."""
+    the value rounded to float32 (TensorBoard's storage), and nothing else is there but the
+    held-out results before training (step 0) and after it (the last step; test_faults)."""
     records = _lines(tracked / "metrics.jsonl")
     acc = _events(tracked)
     numeric = {k for r in records for k, v in r.items() if k != "step" and isinstance(v, (int, float))
                and not isinstance(v, bool)}
-    assert set(acc.Tags()["scalars"]) == numeric and {"eval_accuracy", "lr", "grad_norm"} <= numeric
+    held_out = {"eval_accuracy", "eval_reward", "eval_response_length", "eval_kl_per_seq", "eval_kl_per_token"}
+    assert set(acc.Tags()["scalars"]) == numeric | held_out and {"eval_accuracy", "lr", "grad_norm"} <= numeric
     for key in numeric:
-        logged = {r["step"]: r[key] for r in records if key in r}
-        events = {e.step: e.value for e in acc.Scalars(key)}
-        assert events.keys() == logged.keys(), key
-        for step, value in logged.items():
-            assert events[step] == pytest.approx(value, rel=1e-6, abs=1e-30), (key, step)
+        logged = [(r["step"], r[key]) for r in records if key in r]
+        events = [(e.step, e.value) for e in acc.Scalars(key)]
+        events = events[1:-1] if key in held_out else events  # less before (step 0) and after (step 4)
+        assert [step for step, _ in events] == [step for step, _ in logged], key
+        for (step, got), (_, value) in zip(events, logged):
+            assert got == pytest.approx(value, rel=1e-6, abs=1e-30), (key, step)
 
 
 def test_completions_every_k_steps(tracked):
@@ -152,7 +155,9 @@ def test_wandb_history_equals_the_jsonl(wandb_mlflow):
     step 3's completions are a 3-column table of the same rows as completions.jsonl."""
     records = _lines(wandb_mlflow / "metrics.jsonl")
     history = _wandb_history(wandb_mlflow)
-    scalars = [h for h in history if "completions/_type" not in h]
+    held_out = [h for h in history if all(k.startswith(("eval_", "_")) or k == "step" for k in h)]
+    assert [h["step"] for h in held_out] == [0, 3]  # before and after training (test_faults)
+    scalars = [h for h in history if "completions/_type" not in h and h not in held_out]
     for record, logged in zip(records, scalars, strict=True):
         expected = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         assert {k: v for k, v in logged.items() if not k.startswith("_")} == expected
@@ -202,7 +207,8 @@ def test_resume_continues_the_same_wandb_and_mlflow_runs(tmp_path, monkeypatch):
     assert history[-2].value == final[3] and history[-1].value == final[4]
     ids = {p.name.rsplit("-", 1)[1] for p in run.glob("wandb/offline-run-*")}
     assert ids == {(run / "wandb_run_id").read_text()} and len(list(run.glob("wandb/offline-run-*"))) == 2
-    assert [h["step"] for h in _wandb_history(run)] == [1, 2, 3, 3, 4]
+    # step 0 and the second 4: the held-out results before and after training (test_faults)
+    assert [h["step"] for h in _wandb_history(run)] == [0, 1, 2, 3, 3, 4, 4]
 
 
 def test_report_to_repeated_on_the_command_line(tmp_path):

@@ -12,6 +12,7 @@ to delete points, hold the recomputed steps twice.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -87,7 +88,7 @@ class WandbTracker:
                                   name=run_dir.name, id=run_id, resume="allow", config=config,
                                   settings=wandb.Settings(console="off"))
         except Exception as exc:  # wandb raises its own types (no API key, no network)
-            raise RuntimeError(f"report_to: wandb could not start a run ({exc}); log in with `wandb login`, "
+            raise TrackerError(f"report_to: wandb could not start a run ({exc}); log in with `wandb login`, "
                                "or set WANDB_MODE=offline to write it to RUN/wandb/ and `wandb sync` it later.") from exc
         self.wandb = wandb
         self.run.define_metric("step")
@@ -112,12 +113,19 @@ class MlflowTracker:
     def __init__(self, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> None:
         MlflowClient = _need("mlflow", "mlflow", "mlflow").MlflowClient
         from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
 
         self.metric = Metric
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+        store = uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
         artifacts = None if uri else (run_dir / "mlartifacts").resolve().as_uri()
+        try:
+            self.client = MlflowClient(tracking_uri=store)
+            self._open(run_dir, config, artifacts, Param)
+        except (MlflowException, OSError) as exc:  # the store cannot be used (refused, unreachable, unwritable)
+            raise TrackerError(_mlflow_problem(store, exc)) from exc
 
+    def _open(self, run_dir: Path, config: dict | None, artifacts: str | None, Param: Any) -> None:
         def new_run() -> str:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "tether")
             found = self.client.get_experiment_by_name(name)
@@ -140,6 +148,22 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+class TrackerError(ValueError):
+    """A tracker that ``report_to`` names cannot start: the store, login or package it needs is missing."""
+
+
+def _mlflow_problem(store: str, exc: BaseException) -> str:
+    """One line for an MLflow store that cannot be used: the store, MLflow's first sentence, the fix."""
+    said = " ".join(str(exc).split()).split(". ")[0].rstrip(".")
+    if store.startswith("file:") or "://" not in store:  # a plain path is a file store as well
+        fix = ("MLflow 3 refuses file stores: set MLFLOW_TRACKING_URI=sqlite:///PATH/mlflow.db, or unset it "
+               "(tether then writes RUN/mlflow.db), or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store")
+    else:
+        fix = ("check that MLFLOW_TRACKING_URI names a store MLflow can open, or unset it (tether then writes "
+               "RUN/mlflow.db)")
+    return f"report_to: mlflow cannot open a run in {store} ({type(exc).__name__}: {said}); {fix}."
 
 
 class Trackers:
@@ -171,9 +195,26 @@ def tracker_names(report_to: str) -> list[str]:
 
 
 def make_tracker(report_to: str, run_dir: Path, *, resume_step: int | None = None, config: dict | None = None) -> Any:
-    """The trackers ``report_to`` names (``TRACKERS``), opened on ``run_dir``."""
-    return Trackers([lookup(TRACKERS, name, "report_to")(run_dir, resume_step=resume_step, config=config)
-                     for name in tracker_names(report_to)])
+    """The trackers ``report_to`` names (``TRACKERS``), opened on ``run_dir`` (created if needed).
+    When one cannot start, those opened are closed and whatever they wrote is removed, the
+    directory too if it was created here, and the error is raised: the run directory is as before."""
+    kinds = [lookup(TRACKERS, name, "report_to") for name in tracker_names(report_to)]
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    there = set(run_dir.iterdir())
+    opened: list[Any] = []
+    try:
+        for kind in kinds:
+            opened.append(kind(run_dir, resume_step=resume_step, config=config))
+    except BaseException:
+        for tracker in opened:
+            tracker.close()
+        for path in set(run_dir.iterdir()) - there:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if created:
+            run_dir.rmdir()
+        raise
+    return Trackers(opened)
 
 
 def _need(extra: str, module: str, package: str) -> Any:
@@ -183,7 +224,7 @@ def _need(extra: str, module: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"report_to: {extra!r} needs the {package} package, which is not installed; "
+        raise TrackerError(f"report_to: {extra!r} needs the {package} package, which is not installed; "
                           f"pip install 'tether[{extra}]' (or {package}), or leave {extra} out of report_to.") from exc
 
 

@@ -152,8 +152,10 @@ def aggregate(
     Returns:
         Scalar tensor in the dtype of ``values`` (bool and integer values, e.g. a clip
         indicator, are promoted to the default float dtype); 0 when no token is valid.
-        A plain sum over the kept values divided by the count: no loss term comes near the
-        dtype's limit, so no rescaling is spent on one.
+        The sums run on the kept values divided by a power of two (``_power_of_two_scale``),
+        which is exact, so the result is finite wherever the exact one is representable in
+        the dtype (float32 values near 1e38 whose sum overflows) and otherwise bit-equal to the
+        plain sum divided by the count.
 
     Worked check: loss 1 on a length-2 row and 2 on a length-4 row (``T = 4``) gives
     10/6 (token-mean), 1.5 (seq-mean-token-mean), 5 (seq-mean-token-sum) and 1.25
@@ -163,6 +165,8 @@ def aggregate(
     if not values.is_floating_point():
         values = values.to(torch.get_default_dtype())
     kept = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    scale = _power_of_two_scale(kept)
+    kept = kept / scale
     if spec.row_stat is None:
         numerator = kept.sum()
     else:
@@ -174,7 +178,18 @@ def aggregate(
     # tensor count is not read back (no host sync), so a count <= 0 with something to
     # divide gives NaN instead of a plausible number.
     positive = count > 0
-    result = numerator / torch.where(positive, count, torch.ones_like(count)).to(numerator.dtype)
+    result = numerator / torch.where(positive, count, torch.ones_like(count)).to(numerator.dtype) * scale
     valid_empty = (count == 0) & (numerator == 0)
     result = torch.where(positive | valid_empty, result, torch.full_like(result, float("nan")))
     return result
+
+
+def _power_of_two_scale(kept: Tensor) -> Tensor:
+    """A power of two ``>= 1`` that brings the largest finite ``|kept|`` below 2: dividing by it and
+    multiplying back are exact (the values are never scaled up, so none becomes subnormal), and the
+    sum of ``N`` scaled values stays below ``2N``. Detached and 1 when every value is 0 or not finite."""
+    finite = torch.where(torch.isfinite(kept), kept.detach().abs(), torch.zeros((), dtype=kept.dtype,
+                                                                             device=kept.device))
+    largest = finite.amax() if finite.numel() else torch.zeros((), dtype=kept.dtype, device=kept.device)
+    exponent = torch.frexp(largest.float() if largest.dtype in (torch.float16, torch.bfloat16) else largest).exponent
+    return torch.ldexp(torch.ones((), dtype=kept.dtype, device=kept.device), (exponent - 1).clamp_min(0).to(kept.dtype))

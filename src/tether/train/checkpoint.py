@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tether._compat import disk_full
 from tether.models.weights import load_named
 from tether.train.config import TrainConfig
 from tether.train.sharding import is_writer
@@ -125,18 +126,18 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     if not is_writer():
         return final
+    tensors = {"policy": weights, "reference": ref, "optimizer": opt_tensors,
+               "rng": {k: v.contiguous() for k, v in rng.items()}}
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(weights, str(tmp / "policy.safetensors"))
-    if ref is not None:
-        save_file(ref, str(tmp / "reference.safetensors"))
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    save_file({k: v.contiguous() for k, v in rng.items()}, str(tmp / "rng.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, "optimizer": opt_meta, **state}, indent=1))
-    manifest = {f.name: _file_entry(f) for f in sorted(tmp.iterdir())}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    try:
+        _write_files(tmp, tensors, json.dumps({"step": step, "optimizer": opt_meta, **state}, indent=1))
+    except Exception as exc:  # OSError, or safetensors' own error type carrying the OS error
+        if not disk_full(exc):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial files: their space back, nothing else touched
+        raise CheckpointError(_disk_full_line(run_dir, final, tensors)) from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = root / ".latest.tmp"
@@ -145,6 +146,30 @@ def save_checkpoint(
     for old in checkpoint_dirs(run_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_files(tmp: Path, tensors: dict[str, dict[str, torch.Tensor] | None], state: str) -> None:
+    """The checkpoint's files in ``tmp``, the manifest last."""
+    tmp.mkdir()
+    for name, group in tensors.items():
+        if group is not None:
+            save_file(group, str(tmp / f"{name}.safetensors"))
+    (tmp / "state.json").write_text(state)
+    manifest = {f.name: _file_entry(f) for f in sorted(tmp.iterdir())}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _disk_full_line(run_dir: Path, final: Path, tensors: dict[str, dict[str, torch.Tensor] | None]) -> str:
+    """One line for a disk that filled during a checkpoint: the path, the bytes it needs, what is
+    intact, and the command that goes on once space is freed."""
+    needed = sum(t.numel() * t.element_size() for group in tensors.values() if group for t in group.values())
+    free = shutil.disk_usage(final.parent).free
+    previous = checkpoint_dirs(run_dir)
+    intact = (f"the newest checkpoint, {previous[0]}, is intact" if previous else
+              "no checkpoint was written before, so the resume starts again from step 0 with the run's config.yaml")
+    return (f"{final}: the disk filled while this checkpoint was written (it needs about {needed} bytes; {free} are "
+            f"free on that disk); the partial files were removed and nothing was lost: {intact}. Free at least "
+            f"{needed} bytes, then continue with: tether train --resume {run_dir}")
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
@@ -258,6 +283,7 @@ def _check_fits(file: Path, saved: dict[str, torch.Tensor], model: dict[str, tor
 # Config keys a resume may change: how long the run goes on and how it is saved, not what it computes.
 RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "threads")
 _NOT_COMPARED = ("out", "overwrite")  # where the run lives and how it was started, not what it is
+_START_LEFTOVERS = (".config.yaml.tmp",)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "plots", "checkpoints", "best", "completions.jsonl",
              "tensorboard")
 
@@ -276,7 +302,8 @@ def check_new_run_dir(cfg: TrainConfig) -> None:
     run_dir = Path(cfg.out)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"out: {run_dir} is a file, expected a run directory; choose another --out.")
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    # what a process killed while starting the run left half-written holds nothing of a run
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name not in _START_LEFTOVERS) if run_dir.is_dir() else []
     if entries and not cfg.overwrite:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise RunDirError(
@@ -285,16 +312,31 @@ def check_new_run_dir(cfg: TrainConfig) -> None:
         )
 
 
-def start_new_run(cfg: TrainConfig) -> None:
-    """Clear the old run's files (with ``overwrite``) and write the new run's config and empty log."""
+def start_new_run(cfg: TrainConfig, *, restart: bool = False) -> None:
+    """``clear_run_dir`` then ``write_run_start``: the new run's config and empty log."""
+    clear_run_dir(cfg, restart=restart)
+    write_run_start(cfg)
+
+
+def clear_run_dir(cfg: TrainConfig, *, restart: bool = False) -> None:
+    """Remove the old run's files (with ``overwrite``); ``restart``: the run's own files written
+    before its first checkpoint, keeping its config.yaml (the trackers open before it is rewritten)."""
     run_dir = Path(cfg.out)
-    check_new_run_dir(cfg)  # again: the directory may have changed while the models loaded
-    for name in RUN_FILES:
+    if not restart:
+        check_new_run_dir(cfg)  # again: the directory may have changed while the models loaded
+    for name in (*RUN_FILES, *_START_LEFTOVERS, ".summary.json.tmp"):
         path = run_dir / name
+        if restart and name == "config.yaml":
+            continue
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+
+def write_run_start(cfg: TrainConfig) -> None:
+    """The new run's config.yaml and empty metrics.jsonl."""
+    run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, cfg)
     (run_dir / "metrics.jsonl").write_text("")
@@ -318,8 +360,11 @@ def read_run_config(run_dir: Path) -> TrainConfig:
 def describe_checkpoints(run_dir: Path) -> str:
     """A true sentence about what a failed run leaves behind to resume from."""
     steps = [int(p.name.split("_")[1]) for p in checkpoint_dirs(Path(run_dir))]
-    if not steps:
+    if not steps and not (Path(run_dir) / "config.yaml").is_file():
         return f"{run_dir} holds no checkpoint of this run (start it again with --overwrite)."
+    if not steps:
+        return (f"{run_dir} holds no checkpoint of this run; tether train --resume {run_dir} starts it again from "
+                "step 0 with its config.yaml (or start over with --overwrite).")
     return (f"{run_dir} holds the checkpoints of steps {', '.join(map(str, steps))}; continue with "
             f"tether train --resume {run_dir}.")
 
@@ -355,7 +400,7 @@ def checkpoint_record(cfg: TrainConfig, fingerprint: dict[str, str]) -> dict[str
     return {"config": config, "base": {"model": cfg.model, **fingerprint}}
 
 
-def _check_record(path: Path, state: dict[str, Any], cfg: TrainConfig, fingerprint: dict[str, str],
+def check_record(path: Path, state: dict[str, Any], cfg: TrainConfig, fingerprint: dict[str, str],
                   allowed: tuple[str, ...]) -> None:
     absent = [key for key in ("config", "base") if key not in state]
     if absent:
@@ -391,7 +436,7 @@ def open_checkpoint(cfg: TrainConfig, models: Any, optimizer: torch.optim.Optimi
     run_dir = Path(root or cfg.out)
     path, skipped = newest_intact(run_dir)
     state = read_state(path)
-    _check_record(path, state, cfg, models.fingerprint, allowed)
+    check_record(path, state, cfg, models.fingerprint, allowed)
     if skipped:
         warnings.warn(f"{' '.join(skipped)} Using the newest intact checkpoint, {path}.",
                       CheckpointFallbackWarning, stacklevel=2)
@@ -451,7 +496,7 @@ def best_root(run_dir: Path, *, required: bool = False) -> Path:
 
 def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
     """Every ``eval_every`` steps: ``eval_accuracy`` into the step's ``record``; True on a new best."""
-    from tether.train.metrics import due, eval_seed, evaluate, sampled_kl
+    from tether.train.metrics import due, eval_seed, evaluate, held_out_metrics, sampled_kl
 
     cfg = run.cfg
     if not due(cfg.eval_every, done):
@@ -460,6 +505,9 @@ def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
                       max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, with_kl=False,
                       reward=run.reward, prompt_format=cfg.prompt_format)
     record["eval_accuracy"] = result.accuracy
+    if result.reward is not None:  # the held-out reward (and each function's) beside it, as after training
+        record.update({key: value for key, value in held_out_metrics(result.as_dict(), with_kl=False).items()
+                       if key.startswith("eval_reward")})
     if run.held_out:
         record["eval_kl_sampled_per_seq"] = sampled_kl(
             run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,

@@ -123,7 +123,9 @@ def _train_parser(sub) -> None:
                    "its config.yaml; flags may change only steps, the checkpoint cadence and threads. A finished "
                    "run (its newest checkpoint at steps, summary.json written) is left as it is, with one line "
                    "saying so: extend it with --steps N, score it with tether eval RUN_DIR. A run stopped during "
-                   "its final evaluation (no summary.json) runs that evaluation again.")
+                   "its final evaluation (no summary.json) runs that evaluation again; one stopped before its first "
+                   "checkpoint starts again from step 0 with its config.yaml. Either way the run directory is "
+                   "checked first: an edited config.yaml or a damaged log is named.")
     p.add_argument("--quiet", action="store_true", help="No progress bar.")
     for f in fields(TrainConfig):
         flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
@@ -207,13 +209,14 @@ def _print_summary(summary: dict) -> None:
 
 
 def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = None) -> int:
+    from tether.train.run_state import RunStopped, finished_line
     from tether.train.sharding import leave_ranks
 
     cfg = None
     try:
         cfg = _config(args)
         cfg = settle_nproc(cfg, given=args.nproc is not None or cfg.nproc != 1).validate()
-        finished = _finished_run(cfg) if args.resume else None
+        finished = finished_line(cfg) if args.resume else None  # checked as a resume would be
         if finished is not None:
             if not int(os.environ.get("RANK", "0")):
                 print(finished)
@@ -223,7 +226,7 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
         with interrupts_reach_the_run():
             summary = _train_fn(cfg, train_fn)(cfg, resume=bool(args.resume), progress=not args.quiet)
         leave_ranks()  # a sharded run: every rank ends its process group together
-    except _USER_ERRORS as exc:
+    except (*_USER_ERRORS, RunStopped) as exc:  # RunStopped: a process the run needs died; the line says why
         return _fail("train", exc)
     except KeyboardInterrupt as exc:  # Ctrl-C: one line naming the checkpoint to resume from, status 130
         return report_interruption(cfg, exc, copied=train_fn is not None)
@@ -232,23 +235,6 @@ def cmd_train(args: argparse.Namespace, train_fn: Callable[..., dict] | None = N
     _print_summary(summary)
     print(f"  run directory              {cfg.out}")
     return 0
-
-
-def _finished_run(cfg: TrainConfig) -> str | None:
-    """The line for ``--resume`` of a run with nothing left to do (its newest intact checkpoint is
-    at ``steps`` and summary.json was written), or None: the resume goes on."""
-    from tether.train.checkpoint import CheckpointError, newest_intact, read_state
-
-    run_dir = Path(cfg.out)
-    try:
-        step = int(read_state(newest_intact(run_dir)[0])["step"])
-    except CheckpointError:
-        return None  # the resume reports what is wrong
-    if step != cfg.steps or not (run_dir / "summary.json").is_file():
-        return None
-    quoted = shlex.quote(str(run_dir))
-    return (f"tether train: {run_dir} is finished (step {step} of {cfg.steps}, summary.json written); nothing to "
-            f"resume. Train on with --resume {quoted} --steps N (N > {step}); score it with tether eval {quoted}.")
 
 
 def _train_fn(cfg: TrainConfig, given: Callable[..., dict] | None) -> Callable[..., dict]:
@@ -513,13 +499,16 @@ def interruption_line(cfg: TrainConfig | None, *, copied: bool) -> str:
     """The one line for a run stopped by Ctrl-C: its newest intact checkpoint and how to go on."""
     if cfg is None:
         return "tether train: interrupted before the run started; nothing was written."
-    from tether.train.checkpoint import CheckpointError, newest_intact, read_state
+    from tether.train.checkpoint import CheckpointError, checkpoint_dirs, newest_intact, read_state
 
     run_dir = Path(cfg.out)
     try:
         path, _ = newest_intact(run_dir)
         step = int(read_state(path)["step"])
     except CheckpointError:
+        if (run_dir / "config.yaml").is_file() and not checkpoint_dirs(run_dir):  # --resume starts it again
+            return (f"tether train: interrupted before the first checkpoint of {run_dir}; nothing was lost: "
+                    f"{resume_command(run_dir, copied=copied)} starts it again from step 0 with its config.yaml.")
         again = " with --overwrite" if run_dir.is_dir() and any(run_dir.iterdir()) else ""
         return (f"tether train: interrupted before the first checkpoint of {run_dir}: no checkpoint exists yet, so "
                 f"there is nothing to resume; run the same command again{again} to start over.")

@@ -80,6 +80,11 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps later than ``step`` (they are recomputed after a resume); the
         lines of steps 1..``step`` must all be there, since they are not recomputed."""
+        kept = self.kept_through(step)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def kept_through(self, step: int) -> list[dict[str, Any]]:
+        """The lines of steps 1..``step``, each there once, or a ``ValueError`` naming the file."""
         kept = [r for r in self.read() if r["step"] <= step]
         if [r["step"] for r in kept] != list(range(1, step + 1)):
             missing = sorted(set(range(1, step + 1)) - {r["step"] for r in kept})
@@ -88,7 +93,7 @@ class MetricsLog:
                 f"(missing {missing[:10]}, {len(kept)} lines); the file was truncated or edited. Restore it, "
                 "or start the run again with --overwrite."
             )
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
 
     def append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as fh:
@@ -309,10 +314,9 @@ class CompletionLog:
             fh.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        # As in metrics.jsonl, a last line without its newline is a write cut short by a kill.
-        return [json.loads(line) for line in self.path.read_text().split("\n")[:-1] if line.strip()]
+        from tether.train.jsonl import read_jsonl  # a line that does not parse is named with its number
+
+        return read_jsonl(self.path)
 
     def truncate_after(self, step: int) -> None:
         if self.path.is_file():
@@ -450,6 +454,21 @@ def evaluate_run(run: Run, reference: Any, with_kl: bool = True, progress: bool 
 def eval_seed(seed: int, step: int) -> int:
     """The seed of the held-out samples after ``step`` steps of a run seeded ``seed``."""
     return seed * 1_000_003 + step + 1
+
+
+def held_out_metrics(result: dict[str, Any], *, with_kl: bool = True) -> dict[str, float]:
+    """A held-out evaluation (``EvalResult.as_dict``) as step metrics, under the names metrics.jsonl
+    gives them: ``eval_accuracy``, ``eval_reward``, ``eval_reward/NAME``, ``eval_kl_per_seq``, ...
+    (``n`` left out); the KL only ``with_kl`` (it is not measured before training)."""
+    out: dict[str, float] = {}
+    for key, value in result.items():
+        if isinstance(value, dict):  # rewards per function, tool statistics
+            prefix = "eval_reward/" if key == "rewards" else "eval_"
+            out.update({f"{prefix}{name}": v for name, v in value.items() if isinstance(v, (int, float))})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "n":
+            if with_kl or "kl" not in key:
+                out[f"eval_{key}"] = value
+    return out
 
 
 def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, Any]:

@@ -39,7 +39,9 @@ from tether.ray import (
 from tether.train import recipe
 from tether.train.config import TrainConfig
 from tether.train.recipe_sharded import sharded_rollout, writer_rollout
+from tether.train.checkpoint import describe_checkpoints
 from tether.train.run import Run, build_models, build_run, reference_scorer
+from tether.train.run_state import RunStopped
 from tether.train.tasks import Problem, ToolUse
 
 
@@ -51,7 +53,13 @@ def ray_rollout(pool: Any) -> recipe.Rollout:
     """The rollout stage over a ``tether.ray.RolloutPool`` (held by rank 0 of a sharded learner)."""
 
     def on_pool(run: Run, problems: list[Problem], step: int) -> StepRecord:
-        td = pool.rollout(run.models.policy, [p.chat for p in problems], step, reference_updater=run.ref_updater)
+        try:
+            td = pool.rollout(run.models.policy, [p.chat for p in problems], step, reference_updater=run.ref_updater)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
+            # a dead worker (max_restarts=0) would sample its share with another seed if retried: stop instead
+            said = " ".join(str(exc).split())[:200]
+            raise RunStopped(f"step {step + 1}: a Ray rollout worker died ({type(exc).__name__}: {said}); the run "
+                             f"stopped before the step's update. {describe_checkpoints(run.dir)}") from None
         return StepRecord.from_tensordict(td, group_ids=group_ids(len(problems), run.cfg.group_size))
 
     return writer_rollout(on_pool)

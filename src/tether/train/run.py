@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -36,11 +37,13 @@ from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
 from tether.ops.checks import lookup
-from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, open_checkpoint,
-                                     periodic_eval, save_checkpoint, start_new_run, write_config)
+from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, clear_run_dir,
+                                     newest_intact, open_checkpoint, periodic_eval, read_state, save_checkpoint,
+                                     write_config, write_run_start)
 from tether.train.config import TrainConfig
-from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, plot_metrics, summarize
+from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, plot_metrics, summarize
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
+from tether.train.run_state import restarts
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
 from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
@@ -219,18 +222,25 @@ class Opened:
 
 
 def open_run(run: Run, *, resume: bool, progress: bool = False) -> Opened:
-    """Resume ``run`` from its newest checkpoint, or start its directory and evaluate the untrained
-    policy (``progress``: with a progress bar on the writing rank); then open its tracker."""
+    """Open the run's trackers, then resume ``run`` from its newest checkpoint, or start its
+    directory and evaluate the untrained policy (``progress``: with a progress bar on the writing
+    rank). A resume of a run with no checkpoint yet starts it again (``run_state.restarts``).
+    The trackers open first: one that cannot start fails before the run directory is written."""
     cfg, wall, progress = run.cfg, time.perf_counter(), progress and run.ranks.writer
+    restart = resume and restarts(cfg, say=run.ranks.writer)  # read from files no rank has written yet
+    resume = resume and not restart
+    if not resume:
+        run.ranks.on_writer(lambda: clear_run_dir(cfg, restart=restart))
+    if run.ranks.writer:
+        step = int(read_state(newest_intact(run.dir)[0])["step"]) if resume else None
+        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=step, config=dataclasses.asdict(cfg))
     if resume:
         start, state = restore_run(run)
         before = state["eval_before"]
     else:
-        run.ranks.on_writer(lambda: start_new_run(cfg))
+        run.ranks.on_writer(lambda: write_run_start(cfg))
         before, start = evaluate_run(run, None, with_kl=False, progress=progress), 0
-    if run.ranks.writer:
-        run.tracker = make_tracker(cfg.report_to, run.dir, resume_step=start if resume else None,
-                                   config=dataclasses.asdict(cfg))
+        run.tracker.scalars({"step": 0, **held_out_metrics(before, with_kl=False)})
     extra = {"eval_before": before, **checkpoint_record(cfg, run.models.fingerprint),
              "data": getattr(run.task, "fingerprint", None)}
     return Opened(start, before, extra, wall, progress)
@@ -255,9 +265,12 @@ def close_run(run: Run, opened: Opened) -> dict[str, Any]:
     after = evaluate_run(run, run.models.reference, progress=opened.progress)
     if not run.ranks.writer:
         return {}
+    run.tracker.scalars({"step": run.cfg.steps, **held_out_metrics(after)})
     summary = summarize(run, opened.eval_before, after, time.perf_counter() - opened.wall)
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot_metrics(run.dir)
+    # Atomically: a run is finished once summary.json is there (a kill while it is written leaves none).
+    (run.dir / ".summary.json.tmp").write_text(json.dumps(summary, indent=1))
+    os.replace(run.dir / ".summary.json.tmp", run.dir / "summary.json")
+    plot_metrics(run.dir)  # they draw the held-out markers from summary.json
     return summary
 
 
@@ -296,18 +309,30 @@ def build_models(cfg: TrainConfig) -> Models:
         return Models(base, reference, tokenizer, movable, prints, device)
     import peft
 
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    check_lora_targets(base, targets, cfg.model)
     torch.manual_seed(cfg.seed)
-    lora = peft.LoraConfig(
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=[t.strip() for t in cfg.lora_targets.split(",") if t.strip()],
-    )
+    lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets)
     policy = peft_model(base, lora).eval()
     if cfg.reference_update == "fixed":
         return Models(policy, adapter_disabled(policy), tokenizer, None, prints, device)
     reference = frozen_copy(policy)
     return Models(policy, reference, tokenizer, reference, prints, device)
+
+
+def check_lora_targets(model: nn.Module, targets: list[str], where: str) -> None:
+    """Every name of ``lora_targets`` is a module of ``model`` (its full name or its last parts, as
+    PEFT matches them); a ``ValueError`` lists the model's linear module names. PEFT refuses only
+    when no name matches, with a traceback, and passes over the others in silence."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing and targets:
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if type(module).__name__ in ("Linear", "Conv1D")} - {"lm_head"})
+    raise ValueError(f"lora_targets: {', '.join(missing) or 'nothing'} names no module of model {where!r}; its "
+                     f"linear modules are {', '.join(linear)}. Name some of them, e.g. "
+                     f"lora_targets={','.join(linear[:2])}, or train every weight with lora_rank=0.")
 
 
 def _continued_adapter(base: nn.Module, tokenizer: Any, cfg: TrainConfig, prints: dict[str, str],

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tether.train.jsonl import JsonlLineError, read_jsonl
+
 if TYPE_CHECKING:  # imported where used: a task file and the command line import this module without the models
     from tether.models import TransformersWrapper
     from tether.rollout import MultiTurnRollout
@@ -435,6 +437,12 @@ def read_rows(path: str, argument: str) -> list[dict[str, Any]]:
                              f"{sorted(_READERS)} or a saved dataset directory; convert the file or rename it.")
         if source.stat().st_size == 0:  # datasets raises a bare StopIteration on an empty file
             raise ValueError(f"{argument}: {path} holds no rows; give a dataset with at least one prompt.")
+        if source.suffix.lower() == ".jsonl":  # datasets names no line: a line that does not parse is named here
+            try:
+                read_jsonl(source, unfinished_last=False)
+            except JsonlLineError as exc:
+                raise ValueError(f"{argument}: cannot read {path} as .jsonl (line {exc.line} is not valid JSON: "
+                                 f"{exc.reason}); fix the file.") from None
         try:
             loaded = getattr(datasets.Dataset, reader)(str(source), keep_in_memory=True)
         except Exception as exc:  # datasets wraps parse errors in its own types; the cause names the fault
