@@ -21,6 +21,7 @@ PIECES = [
     "tether.control.ConstantKLController",
     "tether.control.AdaptiveKLController",
     "tether.control.TargetKLController",
+    "tether.control.BudgetKLController",
     "tether.control.make_kl_controller",
 ]
 

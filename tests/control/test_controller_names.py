@@ -1,7 +1,7 @@
-"""One knob, one meaning under both its names: ``make_kl_controller`` takes the configuration's
-spelling (``kl_coef``, ``kl_target``, ``kl_horizon``, as ``tether train`` writes them) and the
-constructors' (TorchRL's ``init_kl_coef``, ``target``, ``horizon``), and refuses a knob given
-twice or a keyword the controller does not have, listing what it takes."""
+"""One knob, one meaning under both its names: the constructors and ``make_kl_controller`` take
+the configuration's spelling (``kl_coef``, ``kl_target``, ``kl_horizon``, as ``tether train``
+writes them) and TorchRL's (``init_kl_coef``, ``target``, ``horizon``), and refuse a knob given
+twice, or missing, naming both; the factory lists what a controller takes."""
 
 from __future__ import annotations
 
@@ -43,17 +43,28 @@ def test_constant_takes_either_name_of_its_coefficient():
 
 
 @pytest.mark.parametrize("kwargs, given", [
-    (dict(kl_coef=0.1, init_kl_coef=0.2, target=3.0), r"'init_kl_coef' and 'kl_coef'|'kl_coef' and 'init_kl_coef'"),
-    (dict(init_kl_coef=0.1, kl_target=3.0, target=3.0), r"'target' and 'kl_target'|'kl_target' and 'target'"),
+    (dict(kl_coef=0.1, init_kl_coef=0.2, target=3.0), r"init_kl_coef=0.2 and kl_coef=0.1"),
+    (dict(init_kl_coef=0.1, kl_target=3.0, target=3.0), r"target=3.0 and kl_target=3.0"),
 ])
 def test_one_knob_under_both_names_is_refused(kwargs, given):
     """Both spellings at once would leave one silently unused (even with equal values)."""
-    with pytest.raises(TypeError, match=rf"make_kl_controller\('budget'\): ({given}) are one knob.*give one"):
+    with pytest.raises(TypeError, match=rf"BudgetKLController: {given} are one knob .*give one of them"):
         make_kl_controller("budget", **kwargs)
 
 
+@pytest.mark.parametrize("cls", [AdaptiveKLController, TargetKLController, BudgetKLController])
+def test_constructors_take_the_config_names_and_name_a_missing_knob(cls):
+    """Called directly, as a user of the pieces does: the config's names build the controller TorchRL's
+    names build; neither name of a knob is a TypeError naming both."""
+    extra = {"horizon": 1000.0} if cls is AdaptiveKLController else {}
+    assert cls(kl_coef=0.1, kl_target=3.0, **extra).state_dict() == cls(init_kl_coef=0.1, target=3.0, **extra).state_dict()
+    with pytest.raises(TypeError, match=rf"{cls.__name__}: target is required \(tether train's config calls it kl_target"):
+        cls(kl_coef=0.1, **extra)
+    assert ConstantKLController(init_kl_coef=0.3).kl_coef == 0.3
+
+
 def test_unknown_keyword_lists_both_spellings():
-    """The budget has no horizon: the error lists its keywords, each knob with its other name."""
-    with pytest.raises(TypeError, match=r"unknown argument 'horizon'; it takes init_kl_coef \(or kl_coef\), "
-                                        r"target \(or kl_target\), model"):
+    """The budget has no horizon: the error lists its keywords, both names of each knob among them."""
+    with pytest.raises(TypeError, match=r"unknown argument 'horizon'; it takes init_kl_coef, target, model, .*"
+                                        r"kl_coef, kl_target"):
         make_kl_controller("budget", init_kl_coef=0.1, target=3.0, horizon=10)

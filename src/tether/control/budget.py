@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from tether.control.kl_io import check_state_keys, control_targets, mean_sequence_kl, push_coef
+from tether.control.kl_io import check_state_keys, control_targets, mean_sequence_kl, one_knob, push_coef
 from tether.models.reference import AdapterDisabledReference, tracked_pairs
 from tether.ops.checks import real_number, whole_number
 
@@ -94,15 +94,38 @@ class BudgetKLController:
         gain, integral_gain: the PI gains on ``log beta`` (>= 0); beta moves by at most
             ``exp(gain + integral_gain)`` a step (the error is clipped to +-1).
         min_coef, max_coef: bounds on beta, ``0 < min_coef <= max_coef``.
+        kl_coef, kl_target: tether train's names for ``init_kl_coef`` and ``target``; give one of each pair.
+
+    Examples:
+        Weights on a line whose KL is ``8 s**2``: the update reads 8 at target 2, outside the band,
+        and the first guess ``s = (2 / 8)**(1/2) = 0.5`` lands on 2; beta steps up by
+        ``exp(0.5 + 0.25)`` (the error ``log(8 / 2)`` clipped to 1).
+
+        >>> ctl = BudgetKLController(kl_coef=0.1, kl_target=2.0)
+        >>> class Line:  # a user's loop implements these three on its model (tether: ReferenceLine)
+        ...     scale = 1.0
+        ...     def capture(self): pass
+        ...     def place(self, scale): self.scale = scale
+        ...     def reject(self): self.scale = 1.0
+        >>> line = Line()
+        >>> move = ctl.hold(line, lambda full=False: 8.0 * line.scale ** 2)
+        >>> move.scale, move.kl_kept, move.rejected
+        (0.5, 2.0, False)
+        >>> round(ctl.kl_coef, 6)
+        0.2117
     """
 
     _CONFIG = ("target", "band", "push", "max_scale", "max_forwards", "gain", "integral_gain", "min_coef",
                "max_coef")
     _STATE_KEYS = ("kl_coef", *_CONFIG, "integral", "power")
 
-    def __init__(self, *, init_kl_coef: float, target: float, model: Any = None, band: float = 0.25,
-                 push: bool = True, max_scale: float = 4.0, max_forwards: int = 4, gain: float = 0.5,
-                 integral_gain: float = 0.25, min_coef: float = 1e-4, max_coef: float = 1e3) -> None:
+    def __init__(self, *, init_kl_coef: float | None = None, target: float | None = None, model: Any = None,
+                 band: float = 0.25, push: bool = True, max_scale: float = 4.0, max_forwards: int = 4,
+                 gain: float = 0.5, integral_gain: float = 0.25, min_coef: float = 1e-4, max_coef: float = 1e3,
+                 kl_coef: float | None = None, kl_target: float | None = None) -> None:
+        owner = type(self).__name__
+        init_kl_coef = one_knob(owner, "init_kl_coef", init_kl_coef, "kl_coef", kl_coef)
+        target = one_knob(owner, "target", target, "kl_target", kl_target)
         self._configure(dict(target=target, band=band, push=push, max_scale=max_scale, max_forwards=max_forwards,
                              gain=gain, integral_gain=integral_gain, min_coef=min_coef, max_coef=max_coef))
         self._coef = real_number("init_kl_coef", init_kl_coef, low=self.min_coef, high=self.max_coef,

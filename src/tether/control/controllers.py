@@ -31,6 +31,7 @@ from tether.control.kl_io import (
     check_state_keys,
     control_targets,
     mean_sequence_kl,
+    one_knob,
     push_coef,
 )
 from tether.control.target import TargetKLController
@@ -77,7 +78,8 @@ class ConstantKLController:
         0.05
     """
 
-    def __init__(self, *, kl_coef: float, model: Any = None) -> None:
+    def __init__(self, *, kl_coef: float | None = None, model: Any = None, init_kl_coef: float | None = None) -> None:
+        kl_coef = one_knob(type(self).__name__, "kl_coef", kl_coef, "init_kl_coef", init_kl_coef)
         self._coef = real_number("kl_coef", kl_coef, low=0.0)
         self.models = control_targets(model)
         push_coef(self.models, self._coef)
@@ -139,13 +141,20 @@ class AdaptiveKLController:
     def __init__(
         self,
         *,
-        init_kl_coef: float,
-        target: float,
-        horizon: float,
+        init_kl_coef: float | None = None,
+        target: float | None = None,
+        horizon: float | None = None,
         model: Any = None,
         min_coef: float = 1e-6,
         max_coef: float = math.inf,
+        kl_coef: float | None = None,
+        kl_target: float | None = None,
+        kl_horizon: float | None = None,
     ) -> None:
+        owner = type(self).__name__
+        init_kl_coef = one_knob(owner, "init_kl_coef", init_kl_coef, "kl_coef", kl_coef)
+        target = one_knob(owner, "target", target, "kl_target", kl_target)
+        horizon = one_knob(owner, "horizon", horizon, "kl_horizon", kl_horizon)
         self._set_config(init_kl_coef, target, horizon, min_coef, max_coef, "init_kl_coef")
         self.models = control_targets(model)
         push_coef(self.models, self._coef)
@@ -221,37 +230,14 @@ KL_CONTROLLERS: dict[str, type] = {
 }
 
 
-# One knob, two spellings: the configuration's (TrainConfig, the CLI) and the constructors'
-# (TorchRL's). make_kl_controller takes either; each pair names the same argument.
-_SPELLINGS = (("kl_coef", "init_kl_coef"), ("kl_target", "target"), ("kl_horizon", "horizon"))
-
-
-def _constructor_arguments(name: str, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` renamed to ``cls``'s keywords; both spellings of one knob, or an unknown
-    keyword, raise a ``TypeError`` that lists what ``cls`` takes."""
-    taken = [p for p in inspect.signature(cls).parameters if p != "self"]
-    other = {a: b for pair in _SPELLINGS for a, b in (pair, pair[::-1])}
-    listing = ", ".join(f"{p} (or {other[p]})" if p in other else p for p in taken)
-    out: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        own = key if key in taken else other.get(key)
-        if own not in taken:
-            raise TypeError(f"make_kl_controller({name!r}): unknown argument {key!r}; it takes {listing}.")
-        if own in out:
-            raise TypeError(f"make_kl_controller({name!r}): {key!r} and {other[key]!r} are one knob, given twice; "
-                            f"give one of them.")
-        out[own] = value
-    return out
-
-
 def make_kl_controller(name: str, **kwargs: Any) -> KLController:
     """Builds a controller from its registry name (for configs), e.g. ``"target"``.
 
     Keywords take the configuration's names (``kl_coef``, ``kl_target``, ``kl_horizon``, as in
     ``tether train``) or the constructors' (TorchRL's ``init_kl_coef``, ``target``,
-    ``horizon``; ``ConstantKLController`` spells its one coefficient ``kl_coef``). One knob
-    given under both names, or a keyword the controller lacks, is a ``TypeError`` listing
-    what it takes.
+    ``horizon``; ``ConstantKLController`` spells its one coefficient ``kl_coef``), as the
+    constructors do. One knob given under both names is a ``TypeError`` naming both; a keyword
+    the controller lacks, one listing what it takes.
 
     Examples:
         >>> make_kl_controller("target", kl_coef=0.1, kl_target=3.0).target
@@ -264,4 +250,8 @@ def make_kl_controller(name: str, **kwargs: Any) -> KLController:
         3.0
     """
     cls = lookup(KL_CONTROLLERS, name, "name")
-    return cls(**_constructor_arguments(name, cls, kwargs))
+    taken = [p for p in inspect.signature(cls).parameters if p != "self"]
+    unknown = [key for key in kwargs if key not in taken]
+    if unknown:
+        raise TypeError(f"make_kl_controller({name!r}): unknown argument {unknown[0]!r}; it takes {', '.join(taken)}.")
+    return cls(**kwargs)

@@ -15,6 +15,17 @@ from tether.ops.checks import whole_number
 _N_STEPS_FIX = "Pass the number of sequences the KL was measured on (the batch size)."
 
 
+def one_knob(owner: str, name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """The value of a knob a constructor takes under TorchRL's ``name`` or tether train's config
+    name ``alias``: exactly one of the two, or a ``TypeError`` naming both."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"{owner}: {name}={value!r} and {alias}={alias_value!r} are one knob (TorchRL's name and "
+                        "tether train's config name); give one of them.")
+    if value is None and alias_value is None:
+        raise TypeError(f"{owner}: {name} is required (tether train's config calls it {alias}; either name is taken).")
+    return value if value is not None else alias_value
+
+
 def control_targets(model: Any) -> tuple[Any, ...]:
     """Normalises ``model`` (None, one object or a list/tuple) and checks each has ``kl_coef``."""
     if model is None:

@@ -27,6 +27,7 @@ from tether.control.kl_io import (
     check_state_keys,
     control_targets,
     mean_sequence_kl,
+    one_knob,
     push_coef,
 )
 from tether.ops.checks import real_number, whole_number
@@ -75,8 +76,8 @@ class TargetKLController:
     def __init__(
         self,
         *,
-        init_kl_coef: float,
-        target: float,
+        init_kl_coef: float | None = None,
+        target: float | None = None,
         model: Any = None,
         brake_gain: float = 1.0,
         release_gain: float = 0.75,
@@ -87,7 +88,11 @@ class TargetKLController:
         max_fall: float = 1.0,
         min_coef: float = 1e-4,
         max_coef: float = 1e3,
+        kl_coef: float | None = None,
+        kl_target: float | None = None,
     ) -> None:
+        init_kl_coef = one_knob(type(self).__name__, "init_kl_coef", init_kl_coef, "kl_coef", kl_coef)
+        target = one_knob(type(self).__name__, "target", target, "kl_target", kl_target)
         config = dict(target=target, brake_gain=brake_gain, release_gain=release_gain, lookahead=lookahead,
                       hold_growth=hold_growth, smoothing=smoothing, max_rise=max_rise, max_fall=max_fall,
                       min_coef=min_coef, max_coef=max_coef)
