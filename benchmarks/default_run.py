@@ -1,6 +1,6 @@
 """Record a finished ``tether train`` run (``make train``'s ``runs/train`` by default) into
-``benchmarks/results/default_run.jsonl``: its config's leash, every step's record, the summary
-and each held-out problem's correctness before and after. ``tables.py`` builds the default run's
+``benchmarks/results/default_run.jsonl``: its config, every step's record, the summary and each
+held-out problem's correctness before and after. ``tables.py`` builds the default run's
 tables from the newest record of each seed.
 
     make train && python benchmarks/default_run.py            # the default run
@@ -19,9 +19,6 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
-STEP_KEYS = ("step", "reward_mean", "accuracy", "kl_per_seq", "kl_exact_per_seq", "kl_move_before_per_seq",
-             "kl_kept_per_seq", "kl_move_scale", "kl_move_forwards", "step_rejected", "kl_over_bound", "kl_coef",
-             "kl_behaviour_per_token", "step_time", "kl_move_seconds", "eval_kl_sampled_per_seq", "eval_accuracy")
 CONFIG_KEYS = ("model", "task", "steps", "seed", "threads", "dtype", "kl_controller", "kl_target", "kl_bound", "kl_push",
                "kl_band", "kl_coef", "prompts_per_step", "group_size", "learning_rate", "eval_size")
 
@@ -31,10 +28,11 @@ def record(run_dir: Path, note: str = "") -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {
-        "seed": config["seed"], "config": {k: config.get(k) for k in CONFIG_KEYS}, **_results.stamp(), "note": note,
+        "seed": config["seed"], "kl_push": config.get("kl_push", True), "config": {k: config.get(k) for k in CONFIG_KEYS},
+        **_results.stamp(), "note": note,
         "summary": {k: v for k, v in summary.items() if k not in ("units", "per_problem_before", "per_problem_after")},
         "per_problem_before": summary.get("per_problem_before"), "per_problem_after": summary.get("per_problem_after"),
-        "steps": [{k: s[k] for k in STEP_KEYS if k in s} for s in steps],
+        "steps": steps, "full_config": config,
     }
 
 
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.run_dir / "summary.json").is_file():
         raise SystemExit(f"{args.run_dir}: no summary.json; record a finished run (make train writes runs/train).")
     rec = record(args.run_dir, args.note)
-    _results.write("default_run", rec, key=("seed", "commit", "machine"))
+    _results.write("default_run", rec, key=("seed", "kl_push", "commit", "machine"))
     s = rec["summary"]
     print(f"recorded seed {rec['seed']} at {rec['commit']}: {100 * s['accuracy_before']:.1f} % -> "
           f"{100 * s['accuracy_after']:.1f} %, {s['steps_over_kl_bound']} kept over kl_bound, "

@@ -138,12 +138,36 @@ def leash_toy(rows: list[dict[str, Any]]) -> str:
         f"; {rows[0]['runs']} runs a row." if rows else "")
 
 
-def _newest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest record of each seed, by seed."""
+def _newest(records: list[dict[str, Any]], push: bool | None = None) -> list[dict[str, Any]]:
+    """The newest record of each seed at ``kl_push`` (the default's when None), by seed."""
+    if push is None:
+        from tether.train.config import TrainConfig
+
+        push = TrainConfig.kl_push
     newest: dict[int, dict[str, Any]] = {}
     for r in records:  # appended in time order
-        newest[r["seed"]] = r
+        if r.get("kl_push", True) == push:
+            newest[r["seed"]] = r
     return [newest[k] for k in sorted(newest)]
+
+
+def default_run_push(records: list[dict[str, Any]]) -> str:
+    """The default run with and without the push, seed by seed."""
+    on, off = {r["seed"]: r for r in _newest(records, True)}, {r["seed"]: r for r in _newest(records, False)}
+    seeds = sorted(set(on) & set(off))
+    if not seeds:
+        return "No seed recorded both with and without the push yet."
+    rows = ["| seed | push | held-out accuracy after | held-out KL, sampled / greedy | kept KL, last 3 steps "
+            "| steps 3-16 in band | kept scale > 1 | rejected | seconds in steps |", "|---|---|---|---|---|---|---|---|---|"]
+    for seed in seeds:
+        for push, r in (("on", on[seed]), ("off", off[seed])):
+            s, steps = r["summary"], r["steps"]
+            in_band = sum(abs(x["kl_exact_per_seq"] / r["config"]["kl_target"] - 1) <= BAND for x in steps[2:])
+            rows.append(f"| {seed} | {push} | {100 * s['accuracy_after']:.1f} % | {s['eval_kl_sampled_per_seq']:.2f} / "
+                        f"{s['eval_kl_per_seq']:.2f} | {statistics.fmean(x['kl_kept_per_seq'] for x in steps[-3:]):.2f} "
+                        f"| {in_band} of {len(steps[2:])} | {sum(x['kl_move_scale'] > 1 for x in steps)} "
+                        f"| {s.get('steps_rejected', 0)} | {s['seconds_in_steps']:.0f} |")
+    return "\n".join(rows)
 
 
 def default_run_heldout(records: list[dict[str, Any]]) -> str:
@@ -197,6 +221,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-toy": ("docs/leash.md", lambda: leash_toy(_results.read("leash_toy"))),
     "default-run": ("docs/getting-started.md", lambda: default_run_heldout(_results.read("default_run"))),
     "default-run-steps": ("docs/getting-started.md", lambda: default_run_steps(_results.read("default_run"))),
+    "default-run-push": ("docs/leash.md", lambda: default_run_push(_results.read("default_run"))),
     "leash-grid-push": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), True)),
     "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
     "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
@@ -239,7 +264,31 @@ def plot_grid(path: Path) -> None:
     plt.close(fig)
 
 
-PLOTS: dict[str, Callable[[Path], None]] = {"docs/leash-budget.png": plot_grid}
+def plot_default_run(path: Path) -> None:
+    """The default run's overview (``tether plot``'s grid of panels), drawn from seed 0's newest record."""
+    import json
+    import shutil
+    import tempfile
+
+    import yaml
+
+    from tether.train.metrics import plot_metrics
+
+    runs = [r for r in _newest(_results.read("default_run")) if r["seed"] == 0]
+    if not runs:
+        return
+    run = runs[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(run["full_config"]))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in run["steps"]))
+        (run_dir / "summary.json").write_text(json.dumps(run["summary"]))
+        plot_metrics(run_dir)
+        shutil.copyfile(run_dir / "plots" / "overview.png", path)
+
+
+PLOTS: dict[str, Callable[[Path], None]] = {"docs/leash-budget.png": plot_grid,
+                                            "docs/default-run-overview.png": plot_default_run}
 
 
 # ------------------------------------------------------------------------------ pages

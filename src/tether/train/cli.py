@@ -131,8 +131,8 @@ def _train_parser(sub) -> None:
         flag, text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default: {f.default})"
         # TRL's spelling (--learning_rate) as a hidden alias of --learning-rate.
         for spelling, shown in ((flag, text), (f"--{f.name}", argparse.SUPPRESS))[: 1 + ("_" in f.name)]:
-            if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true
-                p.add_argument(spelling, dest=f.name, default=None, action="store_true", help=shown)
+            if isinstance(f.default, bool):  # a switch: --overwrite, not --overwrite true; --no-kl-push turns one off
+                p.add_argument(spelling, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=shown)
             else:
                 several = {"action": "append"} if f.name in LIST_FIELDS else {}
                 action = p.add_argument(spelling, dest=f.name, default=None, help=shown, **several)
