@@ -23,13 +23,13 @@ CONFIG_KEYS = ("model", "task", "steps", "seed", "threads", "dtype", "kl_control
                "kl_band", "kl_coef", "prompts_per_step", "group_size", "learning_rate", "eval_size")
 
 
-def record(run_dir: Path, note: str = "") -> dict:
+def record(run_dir: Path, note: str = "", commit: str = "") -> dict:
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {
         "seed": config["seed"], "kl_push": config.get("kl_push", True), "config": {k: config.get(k) for k in CONFIG_KEYS},
-        **_results.stamp(), "note": note,
+        **_results.stamp(), **({"commit": commit} if commit else {}), "note": note,
         "summary": {k: v for k, v in summary.items() if k not in ("units", "per_problem_before", "per_problem_after")},
         "per_problem_before": summary.get("per_problem_before"), "per_problem_after": summary.get("per_problem_after"),
         "steps": steps, "full_config": config,
@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="?", default="runs/train", type=Path)
     parser.add_argument("--note", default="", help="how the run was made (e.g. 'make train in a fresh clone')")
+    parser.add_argument("--commit", default="", help="the commit the run ran (default: this checkout's)")
     args = parser.parse_args(argv)
     if not (args.run_dir / "summary.json").is_file():
         raise SystemExit(f"{args.run_dir}: no summary.json; record a finished run (make train writes runs/train).")
-    rec = record(args.run_dir, args.note)
+    rec = record(args.run_dir, args.note, args.commit)
     _results.write("default_run", rec, key=("seed", "kl_push", "commit", "machine"))
     s = rec["summary"]
     print(f"recorded seed {rec['seed']} at {rec['commit']}: {100 * s['accuracy_before']:.1f} % -> "

@@ -56,6 +56,21 @@ def in_band(run: dict[str, Any]) -> float:
     return sum(abs(r - 1) <= BAND for r in ratios) / len(ratios)
 
 
+def misses(run: dict[str, Any]) -> tuple[int, int, int]:
+    """The scored steps out of band, by where the weights that read them had been kept: their own
+    reading (``kl_kept_per_seq``, the step before) under the band, in it, or over it. A miss after
+    a landing in the band is the new batch's (its prompts and draws); one after a landing under it
+    is a KL the budget let lag (no push, or a search that fell short)."""
+    steps, target = run["steps"], run["kl_target"]
+    counts = [0, 0, 0]
+    for before, step in zip(steps[WARM - 1:], steps[WARM:]):
+        if abs(step.get("kl_exact_per_seq", step["kl_per_seq"]) / target - 1) <= BAND:
+            continue
+        kept = before["kl_kept_per_seq"] / target - 1
+        counts[0 if kept < -BAND else 2 if kept > BAND else 1] += 1
+    return counts[0], counts[1], counts[2]
+
+
 def meets_goal(run: dict[str, Any]) -> bool:
     return in_band(run) >= GOAL_IN_BAND and max(scored(run)) <= GOAL_PEAK
 
@@ -65,8 +80,8 @@ def leash_grid(runs: list[dict[str, Any]], push: bool) -> str:
     """The budget's grid at one ``kl_push``: one row per setting, its seeds side by side."""
     runs = [r for r in runs if r["controller"] == "budget" and r["kl_push"] == push]
     settings = list(dict.fromkeys(r["setting"] for r in sorted(runs, key=_setting_order)))
-    lines = ["| setting | seeds | steps 5-16 in band, per seed | largest KL / target, per seed | kept over `kl_bound` "
-             "| rejected | goal met |", "|---|---|---|---|---|---|---|"]
+    lines = ["| setting | seeds | steps 5-16 in band, per seed | largest KL / target, per seed | misses after a "
+             "landing under / in / over the band | kept over `kl_bound` | rejected | goal met |", "|---|---|---|---|---|---|---|---|"]
     for name in settings:
         rows = sorted((r for r in runs if r["setting"] == name), key=lambda r: r["seed"])
         bands = " / ".join(f"{in_band(r):.0%}" for r in rows)
@@ -74,8 +89,10 @@ def leash_grid(runs: list[dict[str, Any]], push: bool) -> str:
         over = sum(bool(s.get("kl_over_bound")) for r in rows for s in r["steps"])
         rejected = sum(bool(s.get("step_rejected")) for r in rows for s in r["steps"])
         met = sum(meets_goal(r) for r in rows)
-        lines.append(f"| {name} | {', '.join(str(r['seed']) for r in rows)} | {bands} | {peaks} | {over} | {rejected} "
-                     f"| {met} of {len(rows)} |")
+        cause = [misses(r) for r in rows]
+        causes = " / ".join(str(sum(c[i] for c in cause)) for i in range(3))
+        lines.append(f"| {name} | {', '.join(str(r['seed']) for r in rows)} | {bands} | {peaks} | {causes} | {over} "
+                     f"| {rejected} | {met} of {len(rows)} |")
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ class Plant:
 
 
 def _ctl(**kw) -> BudgetKLController:
-    return BudgetKLController(**{"init_kl_coef": 0.1, "target": 2.0, **kw})
+    return BudgetKLController(**{"init_kl_coef": 0.1, "target": 2.0, "push": True, **kw})
 
 
 @pytest.mark.parametrize("kl_at_one", [1.6, 2.0, 2.24])
@@ -71,6 +71,13 @@ def test_a_lagging_kl_is_pushed_out_to_at_most_max_scale():
     move = plant.hold(_ctl())
     assert plant.moves == [4.0] and move.scale == 4.0 and move.kl_kept == pytest.approx(0.32)
     assert plant.reads == 3
+
+
+def test_the_push_is_off_by_default():
+    """A KL lagging far under the band: without push (the default) the weights stay, one reading."""
+    plant = Plant(lambda s: 0.02 * s * s)
+    move = plant.hold(BudgetKLController(init_kl_coef=0.1, target=2.0))
+    assert (move.scale, move.forwards, plant.moves, plant.captures) == (1.0, 1, [], 0)
 
 
 def test_max_scale_one_never_pushes():

@@ -120,7 +120,7 @@ class BudgetKLController:
     _STATE_KEYS = ("kl_coef", *_CONFIG, "integral", "power")
 
     def __init__(self, *, init_kl_coef: float | None = None, target: float | None = None, model: Any = None,
-                 band: float = 0.25, push: bool = True, max_scale: float = 4.0, max_forwards: int = 4,
+                 band: float = 0.25, push: bool = False, max_scale: float = 4.0, max_forwards: int = 4,
                  gain: float = 0.5, integral_gain: float = 0.25, min_coef: float = 1e-4, max_coef: float = 1e3,
                  kl_coef: float | None = None, kl_target: float | None = None) -> None:
         owner = type(self).__name__
