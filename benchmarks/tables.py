@@ -275,7 +275,7 @@ def plot_grid(path: Path) -> None:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
+    max(list(axes.flat)[:len(names)], key=lambda ax: len(ax.lines)).legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -49,6 +49,7 @@ def test_tensorboard_scalars_equal_the_jsonl(tracked):
         logged = [(r["step"], r[key]) for r in records if key in r]
         events = [(e.step, e.value) for e in acc.Scalars(key)]
         events = events[1:-1] if key in held_out else events  # less before (step 0) and after (step 4)
+        events = events[:-1] if key == "eval_kl_sampled_per_seq" else events  # no "before": the policy is the reference
         assert [step for step, _ in events] == [step for step, _ in logged], key
         for (step, got), (_, value) in zip(events, logged):
             assert got == pytest.approx(value, rel=1e-6, abs=1e-30), (key, step)
@@ -85,14 +86,15 @@ def test_plots_drop_constant_panels_and_mark_held_out_accuracy(tracked, tmp_path
     """One update per rollout: clip fraction and ESS are constant (ratio 1), as are beta under a
     constant controller and the LR of a constant schedule; the default (budget) controller
     moves beta. With two updates, a linear schedule and the default controller (the tracked
-    run) nothing is left out, and the budget's scale and forwards get panels of their own."""
+    run) nothing is left out, and the budget's scale and forwards and the sampler-learner KL get
+    panels of their own."""
     assert constant_panels({}) == {"clip_fraction", "ess", "lr"}
     assert constant_panels({"kl_controller": "constant"}) == {"clip_fraction", "ess", "kl_coef", "lr"}
     assert constant_panels({"updates_per_rollout": 2, "kl_controller": "target", "warmup_steps": 1}) == set()
     drawn = {k for k, _, _ in plotted_panels(json.loads(json.dumps(TrainConfig().__dict__)))}
     assert drawn == {k for k, _, _ in PLOTTED} - {"clip_fraction", "ess", "lr"} and "kl_coef" in drawn
     plots = {p.stem for p in (tracked / "plots").glob("*.png")}
-    assert plots == {k for k, _, _ in PLOTTED} | {"kl_move_scale", "kl_move_forwards", "overview"}
+    assert plots == {k for k, _, _ in PLOTTED} | {"kl_move_scale", "kl_move_forwards", "kl_behaviour_per_token", "overview"}
 
 
 # ------------------------------------------------------------------ wandb and MLflow, read back
