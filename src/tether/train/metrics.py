@@ -362,12 +362,9 @@ def evaluate(
     reward: Any = None,
     prompt_format: str = "chat",
     progress: bool = False,
-    sample_seed: int | None = None,
 ) -> EvalResult:
     """Greedy accuracy and reward on ``problems`` (``reward``: the task's reward when None) and
-    (optionally) the exact KL along the answers; ``progress`` shows a bar over the problems. With
-    ``sample_seed`` and a reference, also the exact KL per answer of one answer per problem sampled
-    at ``temperature`` (``kl_sampled_per_seq``), drawn from its own generator."""
+    (optionally) the exact KL along the answers; ``progress`` shows a bar over the problems."""
     wrapper = TransformersWrapper(
         policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
         temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
@@ -409,9 +406,6 @@ def evaluate(
         tools=tool_metrics(torch.cat(episodes).get("episode", None)) if tool_rollout is not None else {},
         reward=float(torch.cat(totals).mean()) if n else None,
         rewards={k: float(torch.cat([f[k] for f in per_function]).nanmean()) for k in (per_function[0] if n else {})},
-        kl_sampled_per_seq=None if sample_seed is None or reference is None or not n else sampled_kl(
-            policy, reference, tokenizer, task, problems, max_new_tokens=max_new_tokens, temperature=temperature,
-            prompt_format=prompt_format, seed=sample_seed),
     )
 
 
@@ -441,14 +435,21 @@ def sampled_kl(policy: nn.Module, reference: nn.Module, tokenizer, task: Task | 
 
 # ------------------------------------------------------------------------------ summary
 def evaluate_run(run: Run, reference: Any, with_kl: bool = True, progress: bool = False) -> dict[str, Any]:
-    """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict."""
+    """Held-out accuracy, reward and (``with_kl``) KL of the policy, as a dict; with a reference also
+    the KL of answers sampled at the training temperature (``kl_sampled_per_seq``)."""
+    cfg = run.cfg
     try:
-        return evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
-                        max_new_tokens=run.cfg.eval_max_new_tokens, temperature=run.cfg.temperature,
-                        with_kl=with_kl, reward=run.reward, prompt_format=run.cfg.prompt_format,
-                        progress=progress, sample_seed=eval_seed(run.cfg.seed, run.cfg.steps)).as_dict()
+        result = evaluate(run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
+                          max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, with_kl=with_kl,
+                          reward=run.reward, prompt_format=cfg.prompt_format, progress=progress)
     except RewardError as exc:
         raise with_checkpoints(exc, run.dir) from exc
+    if reference is not None and run.held_out:
+        result.kl_sampled_per_seq = sampled_kl(
+            run.models.policy, reference, run.models.tokenizer, run.task, run.held_out,
+            max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, prompt_format=cfg.prompt_format,
+            seed=eval_seed(cfg.seed, cfg.steps))
+    return result.as_dict()
 
 
 def eval_seed(seed: int, step: int) -> int:
