@@ -71,6 +71,17 @@ def misses(run: dict[str, Any]) -> tuple[int, int, int]:
     return counts[0], counts[1], counts[2]
 
 
+def spread_ceiling(run: dict[str, Any]) -> float:
+    """The in-band share a perfect landing would get: each scored step's KL over the KL its weights
+    had been kept at on the step before (``kl_exact_per_seq[t] / kl_kept_per_seq[t-1]``, the same
+    weights read on a new batch) is the factor the new batch alone applies; a landing exactly on
+    the target scores in band when that factor lies within the band."""
+    steps = run["steps"]
+    factors = [s.get("kl_exact_per_seq", s["kl_per_seq"]) / before["kl_kept_per_seq"]
+               for before, s in zip(steps[WARM - 1:], steps[WARM:]) if before["kl_kept_per_seq"] > 0]
+    return sum(abs(f - 1) <= BAND for f in factors) / len(factors)
+
+
 def meets_goal(run: dict[str, Any]) -> bool:
     return in_band(run) >= GOAL_IN_BAND and max(scored(run)) <= GOAL_PEAK
 
@@ -81,7 +92,8 @@ def leash_grid(runs: list[dict[str, Any]], push: bool) -> str:
     runs = [r for r in runs if r["controller"] == "budget" and r["kl_push"] == push]
     settings = list(dict.fromkeys(r["setting"] for r in sorted(runs, key=_setting_order)))
     lines = ["| setting | seeds | steps 5-16 in band, per seed | largest KL / target, per seed | misses after a "
-             "landing under / in / over the band | kept over `kl_bound` | rejected | goal met |", "|---|---|---|---|---|---|---|---|"]
+             "landing under / in / over the band | in band at a perfect landing (the new batch's spread) | kept over `kl_bound` "
+             "| rejected | goal met |", "|---|---|---|---|---|---|---|---|---|"]
     for name in settings:
         rows = sorted((r for r in runs if r["setting"] == name), key=lambda r: r["seed"])
         bands = " / ".join(f"{in_band(r):.0%}" for r in rows)
@@ -91,7 +103,8 @@ def leash_grid(runs: list[dict[str, Any]], push: bool) -> str:
         met = sum(meets_goal(r) for r in rows)
         cause = [misses(r) for r in rows]
         causes = " / ".join(str(sum(c[i] for c in cause)) for i in range(3))
-        lines.append(f"| {name} | {', '.join(str(r['seed']) for r in rows)} | {bands} | {peaks} | {causes} | {over} "
+        ceiling = " / ".join(f"{spread_ceiling(r):.0%}" for r in rows)
+        lines.append(f"| {name} | {', '.join(str(r['seed']) for r in rows)} | {bands} | {peaks} | {causes} | {ceiling} | {over} "
                      f"| {rejected} | {met} of {len(rows)} |")
     return "\n".join(lines)
 
