@@ -24,3 +24,12 @@ def test_ceilings_of_three_batches():
     assert got["aimed_at_mean"] == pytest.approx(1 / 3, abs=1e-15)
     assert got["aimed_at_one_batch"] == pytest.approx(2 / 6, abs=1e-15)
     assert got["sd_log"] == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in logs) / 2), rel=1e-12)
+
+
+def test_pooled_batches_are_means_of_consecutive_runs():
+    """Batch KLs 1, 3, 2, 4, 10 pooled by 2: (1+3)/2 = 2 and (2+4)/2 = 3; the fifth batch has no
+    partner and is left out (a pooled batch is always k whole batches). Pooled by 1: unchanged."""
+    from leash_noise import pooled
+
+    assert pooled([1.0, 3.0, 2.0, 4.0, 10.0], 2) == [2.0, 3.0]
+    assert pooled([1.0, 3.0, 2.0], 1) == [1.0, 3.0, 2.0]
