@@ -88,14 +88,22 @@ def run_one(setting: Setting, seed: int, args: argparse.Namespace) -> dict:
     return {**stamp, "setting": setting.name, "seed": seed, "kl_target": 1.0, "steps": probe.rows}
 
 
-def summarise(record: dict) -> str:
+def spreads(record: dict) -> dict[str, float]:
+    """The sd over steps 5 on of each log ratio: the miss (own_new / kept), the off-policy reading
+    (own_same / kept), new prompts and draws (own_new / own_same), the importance-weighted reading's
+    error (own_same / kept_is)."""
     rows = [r for r in record["steps"] if "kept" in r and r["step"] > 4]
+    pairs = {"miss": ("kept", "own_new"), "off_policy": ("kept", "own_same"), "new_prompts": ("own_same", "own_new"),
+             "importance_weighted": ("kept_is", "own_same")}
     if len(rows) < 2:
-        return f"| {record['setting']} | {record['seed']} | fewer than 2 scored steps | | | |"
-    def sd(a: str, b: str) -> float:
-        return statistics.stdev(math.log(r[b] / r[a]) for r in rows)
-    return (f"| {record['setting']} | {record['seed']} | {sd('kept', 'own_new'):.2f} | {sd('kept', 'own_same'):.2f} "
-            f"| {sd('own_same', 'own_new'):.2f} | {sd('kept_is', 'own_same'):.2f} |")
+        return {k: math.nan for k in pairs}
+    return {k: statistics.stdev(math.log(r[b] / r[a]) for r in rows) for k, (a, b) in pairs.items()}
+
+
+def summarise(record: dict) -> str:
+    sd = spreads(record)
+    return (f"| {record['setting']} | {record['seed']} | {sd['miss']:.2f} | {sd['off_policy']:.2f} "
+            f"| {sd['new_prompts']:.2f} | {sd['importance_weighted']:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
