@@ -71,6 +71,9 @@ class TrainConfig:
     advantage: str = _f("grpo", "Group advantage: grpo (z-score), dr_grpo (mean only), rloo (leave-one-out).")
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient; 0 disables the bonus (entropy is still logged).")
     ratio_level: str = _f("token", "Importance ratio per token (PPO/GRPO) or per sequence, length-normalised (GSPO): token, sequence.")
+    trust_region: str = _f("clip", "Trust region to the sampling policy, cutting a token's policy gradient: clip (PPO's ratio clip at clip_epsilon), dppo_tv / dppo_kl (DPPO's masks: the sampled token's probability shift p - q, or the Bernoulli KL(q || p), past trust_region_delta in the advantage's direction) or none.")
+    trust_region_delta: float = _f(0.2, "DPPO threshold (low side, and high side unless trust_region_delta_high is set): a probability shift in (0, 1) for dppo_tv, nats for dppo_kl.")
+    trust_region_delta_high: float = _f(0.0, "Upper DPPO threshold; 0 uses trust_region_delta.")
     dual_clip: float = _f(0.0, "Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; 0 disables.")
     importance_correction: str = _f("none", "Sampler/trainer mismatch weights: none, tis (truncated) or mis (masked) at importance_cap.")
     importance_cap: float = _f(2.0, "Threshold of the tis/mis importance weights (> 0).")
@@ -212,7 +215,7 @@ _RANGES: dict[str, dict[str, Any]] = {
     **{name: {"low": 0} for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
                                      "warmup_steps", "eval_every", "log_completions_every", "max_turns", "max_resample",
-                                     "max_episode_tokens")},
+                                     "max_episode_tokens", "trust_region_delta_high")},
     **{name: {"low": 0, "low_open": True} for name in ("learning_rate", "temperature", "kl_target", "importance_cap")},
     "kl_bound": {"low": 0, "fix": "0 turns the ceiling off."},
     "kl_band": {"low": 0, "low_open": True, "high": 1, "high_open": True},
@@ -220,6 +223,7 @@ _RANGES: dict[str, dict[str, Any]] = {
     "kl_max_forwards": {"low": 2, "fix": "One reads the updated weights, one a move."},
     "ray_timeout": {"low": 0, "low_open": True, "fix": "It is in seconds."},
     "clip_epsilon": {"low": 0, "low_open": True, "high": 1, "high_open": True},
+    "trust_region_delta": {"low": 0, "low_open": True},
     "reference_alpha": {"low": 0, "low_open": True, "high": 1},
 }
 
@@ -239,6 +243,12 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"kl_bound: the budget may keep weights up to (1 + kl_band) x kl_target = {top:g} nats per answer, "
                  f"above kl_bound = {cfg.kl_bound:g}; raise kl_bound to at least {top:g}, or lower kl_target to at most "
                  f"{cfg.kl_bound / (1 + cfg.kl_band):g} (or kl_band)")
+    if cfg.trust_region == "dppo_tv":
+        fix = "A probability moves by at most 1, so the mask would never act."
+        for name in ("trust_region_delta", "trust_region_delta_high"):
+            if getattr(cfg, name) >= 1:
+                p.append(f"{name}: trust_region='dppo_tv' needs a probability shift in (0, 1), "
+                         f"got {getattr(cfg, name)!r}. {fix}")
     if cfg.dual_clip:
         p.extend(problems(real_number, "dual_clip", cfg.dual_clip, low=1, low_open=True, fix="0 turns it off."))
     return p
@@ -261,7 +271,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.control import KL_CONTROLLERS
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
-    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
+    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS, TRUST_REGIONS
     from tether.integrations.trackers import TRACKERS
     from tether.train.updates import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
@@ -273,7 +283,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
             "kl_control_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
             "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),
-            "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}
+            "trust_region": TRUST_REGIONS, "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}
 
 
 def _unknown_key(key: str, known: Collection[str]) -> str:

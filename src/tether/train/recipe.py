@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 
 from tether.models.records import GRPOLossOutput, GRPOTokenTerms, StepRecord, group_ids
-from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
-                        gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices)
+from tether.ops import (aggregate, aggregate_denominator, effective_sample_size, group_advantages, gspo_log_ratio,
+                        importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices, trust_region_surrogate)
 from tether.train.config import TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
@@ -89,7 +89,7 @@ def add_advantages(run: Run, record: StepRecord) -> None:
 
 # ------------------------------------------------------------------------------ the loss
 def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
-    """Loss, per answer token ``[B, T]`` (0 elsewhere): the clipped surrogate of the policy ratio,
+    """Loss, per answer token ``[B, T]`` (0 elsewhere): the policy ratio's surrogate in its trust region,
     the entropy, the leash's KL term, and the detached diagnostics (``GRPOLoss``'s terms)."""
     cfg, mask = run.cfg, rows.assistant_mask & rows.attention_mask
     scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden)
@@ -105,7 +105,9 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
         rows.old_log_probs if rows.old_log_probs is not None else logp.detach())
     log_ratio = gspo_log_ratio(logp, old, mask) if cfg.ratio_level == "sequence" else torch.where(mask, logp - old, 0.0)
     clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
-    surrogate = clipped_surrogate(log_ratio, on_answers(rows.advantages), clip_epsilon=clip, dual_clip=cfg.dual_clip or None)
+    delta = (cfg.trust_region_delta, cfg.trust_region_delta_high or cfg.trust_region_delta)
+    surrogate = trust_region_surrogate(log_ratio, on_answers(rows.advantages), logp, sampled, kind=cfg.trust_region,
+                                       clip_epsilon=clip, delta=delta, dual_clip=cfg.dual_clip or None)
     policy = surrogate.loss
     if cfg.importance_correction != "none":
         policy = policy * importance_weights(old, sampled, mask, mode=cfg.importance_correction, cap=cfg.importance_cap)
