@@ -163,6 +163,7 @@ def test_eval_every_keeps_the_best_checkpoint(tmp_path, capsys):
     ({"ratio_level": "seq"}, "ratio_level: expected one of 'token', 'sequence', got 'seq'."),
     ({"importance_correction": "is"}, "importance_correction: expected one of 'tis', 'mis', 'none', got 'is'."),
     ({"eval_every": -1}, "eval_every: expected an int >= 0, got -1"),
+    ({"kl_correction": "raw"}, "kl_correction: expected one of 'importance', 'none', got 'raw'."),
     ({"trust_region": "tv"}, "trust_region: expected one of 'clip', 'none', 'dppo_tv', 'dppo_kl', got 'tv'."),
     ({"trust_region": "dppo_tv", "trust_region_delta_high": 1.0},
      "trust_region_delta_high: trust_region='dppo_tv' needs a probability shift in (0, 1), got 1.0."),

@@ -32,6 +32,7 @@ def library_loss(cfg: TrainConfig, actor) -> GRPOLoss:
         actor, clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon,
         entropy_bonus=True, entropy_coeff=cfg.entropy_coeff, aggregation=cfg.aggregation,
         kl_estimator=cfg.kl_estimator if in_loss else "k3", kl_to_ref_coeff=cfg.kl_coef if in_loss else None,
+        kl_correction=None if cfg.kl_correction == "none" else "importance",
         normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
         ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
         trust_region=cfg.trust_region,
@@ -78,6 +79,8 @@ CASES = [
     {"trust_region": "dppo_tv", "trust_region_delta": 0.002},  # DPPO's masks at thresholds that cut some tokens
     {"trust_region": "dppo_kl", "trust_region_delta": 1e-5, "trust_region_delta_high": 1e-4, "dual_clip": 1.5},
     {"trust_region": "none", "importance_correction": "tis", "importance_cap": 1.2},
+    {"kl_correction": "none"},  # the raw k3 (GRPO paper) as the loss term
+    {"kl_correction": "none", "kl_estimator": "k2", "importance_correction": "mis", "importance_cap": 1.2},
 ]
 # Under TIS/MIS the ratio is against the trainer's stored old log-probs, when there are some.
 CASES += [{**options, "stored_old": True} for options in CASES if "importance_correction" in options]

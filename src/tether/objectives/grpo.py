@@ -381,7 +381,8 @@ class GRPOLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"clip_epsilon={self.clip_epsilon}, trust_region={self.trust_region!r}, aggregation={self.aggregation!r}, ratio_level={self.ratio_level!r}, "
+            f"clip_epsilon={self.clip_epsilon}, trust_region={self.trust_region!r}, aggregation={self.aggregation!r}, "
+            f"ratio_level={self.ratio_level!r}, "
             f"kl_to_ref_coeff={self.kl_to_ref_coeff}, kl_estimator={self.kl_estimator!r}, "
             f"kl_correction={self.kl_correction!r}, entropy_coeff={self.entropy_coeff if self.entropy_bonus else None}"
         )

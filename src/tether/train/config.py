@@ -90,6 +90,7 @@ class TrainConfig:
     # --- KL leash
     kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
+    kl_correction: str = _f("importance", "The KL loss term's form: 'importance' (w = pi / pi_sampler in the graph: k3 gives w*k3, k2 gives sg(w)*k2, whose gradient w*k1*grad log pi is OpenRLHF's unbiased one; both have the reverse KL's expected gradient) or 'none' (the raw estimator, the GRPO paper's k3, whose expected gradient is the forward KL's).")
     kl_coef: float = _f(0.2, "KL coefficient beta: the constant one, or the start of an adaptive, target or budget controller.")
     kl_controller: str = _f("budget", "'budget' (after each update measures the KL on the step's answers and, outside 0.75-1.125 x kl_target, moves the weights along the line to the reference back to kl_target; beta adapts slowly from kl_coef), 'target' (moves beta every step to hold the KL at kl_target; kl_coef is its start), 'constant' (beta = kl_coef) or 'adaptive' (Ziegler et al. 2019) control of beta.")
     kl_target: float = _f(3.0, "KL the target or adaptive controller aims at: mean per-sequence summed KL (nats per answer).")
@@ -259,6 +260,8 @@ LIST_FIELDS = ("report_to",)
 
 # importance_correction's extra name next to the registry's: off.
 _NO_CORRECTION: dict[str, None] = {"none": None}
+# kl_correction's names for tether.ops.KL_CORRECTIONS' keys ("none": the raw estimator, key None).
+KL_LOSS_FORMS: dict[str, str | None] = {"importance": "importance", "none": None}
 
 KL_MODES: dict[str, str] = {
     "loss": "gradient-correct KL term (kl_estimator) in the loss",
@@ -279,7 +282,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.train.updates import KL_SIGNALS
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
-            "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
+            "kl_estimator": KL_ESTIMATORS, "kl_correction": KL_LOSS_FORMS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
             "kl_control_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
             "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),

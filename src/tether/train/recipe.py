@@ -24,7 +24,7 @@ from tqdm import tqdm
 from tether.models.records import GRPOLossOutput, GRPOTokenTerms, StepRecord, group_ids
 from tether.ops import (aggregate, aggregate_denominator, effective_sample_size, group_advantages, gspo_log_ratio,
                         importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices, trust_region_surrogate)
-from tether.train.config import TrainConfig
+from tether.train.config import KL_LOSS_FORMS, TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
@@ -117,9 +117,11 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
                            log_weights=torch.where(mask, logp.detach() - sampled, 0.0),
                            # at coefficient 0 the entropy is a diagnostic: backward skips its vocabulary-wide gradient
                            entropy=entropy if cfg.entropy_coeff else entropy.detach())
-    if cfg.kl_mode == "loss":  # importance-weighted: the gradient of KL(pi || pi_ref) in expectation, also off-policy
+    if cfg.kl_mode == "loss":  # importance-weighted by default: the gradient of KL(pi || pi_ref) in expectation
         ref = on_answers(rows.ref_log_probs)
-        terms.kl_to_ref_term = on_answers(kl_loss_term(logp, ref, estimator=cfg.kl_estimator, old_logp=sampled))
+        form = KL_LOSS_FORMS[cfg.kl_correction]
+        terms.kl_to_ref_term = on_answers(kl_loss_term(logp, ref, estimator=cfg.kl_estimator, correction=form,
+                                                       old_logp=sampled if form else None))
         terms.kl_to_ref = on_answers(kl_estimate(logp.detach(), ref, cfg.kl_estimator))
     if scored.exact_kl is not None:
         terms.kl_to_ref_exact = on_answers(scored.exact_kl)
