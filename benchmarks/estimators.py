@@ -10,14 +10,14 @@ the KL; two rows hold the default budget leash instead. The variants and their `
     k3-ratio         kl_estimator=k3 kl_correction=importance   w k3 with w = pi / pi_sampler in the graph
     k2-ratio         kl_estimator=k2 kl_correction=importance   sg(w) k2: its gradient w k1 grad log pi is
                                                            OpenRLHF's unbiased-gradient option (PR 1309)
+    exact-loss       kl_mode=exact                         the exact full-vocabulary KL per token as the loss
     dppo-tv          k3-ratio + trust_region=dppo_tv       DPPO's TV mask instead of the ratio clip
     budget, dppo-tv-budget   kl_controller=budget (the default leash), with the clip / DPPO's mask
 
-Not in the grid: the exact full-vocabulary KL as a loss (tether measures it without a gradient).
 One JSON line per run goes to ``<--results>/estimators.jsonl`` (default ``benchmarks/results``;
 ``--quick`` records only into a ``--results`` given); a run whose ``summary.json`` exists is read, not re-run.
 
-    python benchmarks/estimators.py --device cuda --dtype bfloat16 --threads 1 --jobs 7 --seeds 0,1,2,3
+    python benchmarks/estimators.py --device cuda --dtype bfloat16 --threads 1 --jobs 8 --seeds 0,1,2,3
     python benchmarks/estimators.py --quick --out /tmp/est      # tiny model, 2 steps: a smoke run
 """
 
@@ -44,6 +44,7 @@ VARIANTS: dict[str, dict] = {
     "k3-loss": {**CONSTANT, "kl_mode": "loss", "kl_estimator": "k3", "kl_correction": "none"},
     "k3-ratio": _K3_RATIO,
     "k2-ratio": {**CONSTANT, "kl_mode": "loss", "kl_estimator": "k2", "kl_correction": "importance"},
+    "exact-loss": {**CONSTANT, "kl_mode": "exact"},
     "dppo-tv": {**_K3_RATIO, "trust_region": "dppo_tv"},
     "budget": {"kl_controller": "budget"},
     "dppo-tv-budget": {"kl_controller": "budget", "trust_region": "dppo_tv"},

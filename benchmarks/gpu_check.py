@@ -470,7 +470,7 @@ STAGES = (
     # The embedded model loads faster, and tether's sampling is a replayed graph since.
     Stage("bench-default", 240, stage_bench_default, needs_model=True, least_s=100),
     Stage("bench-llama-1b", 300, stage_bench_llama, dry_run_too=True, least_s=170),
-    # 7 variants x the seeds, each a default 16-step run (79 s alone on an H200): a call of its own.
+    # 8 variants x the seeds, each a default 16-step run (79 s alone on an H200): a call of its own.
     Stage("bench-estimators", 540, stage_bench_estimators, needs_model=True, least_s=300),
 )
 
@@ -794,7 +794,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-steps", type=int, default=2, help="timed GRPO steps per bench variant")
     p.add_argument("--bench-modes", default="LoRA,full", help="the bench stages' modes (gpu_grpo.py --modes)")
     p.add_argument("--estimator-seeds", default="0,1", help="bench-estimators' seeds (estimators.py --seeds)")
-    p.add_argument("--estimator-jobs", type=int, default=7, help="bench-estimators' runs at once on the GPU")
+    p.add_argument("--estimator-jobs", type=int, default=8, help="bench-estimators' runs at once on the GPU")
     p.add_argument("--timeout-install", type=float, default=120.0, help="seconds for each pip command")
     p.add_argument("--split-wheel", metavar="WHEEL", help="cut WHEEL into parts in --into, then exit")
     p.add_argument("--into", default=str(ROOT / "wheels" / "model"))

@@ -18,11 +18,13 @@ def test_each_variant_sets_the_leash_form_it_names(tmp_path):
     args = estimators.parse_args(["--out", str(tmp_path), "--beta", "0.2"])
     got = {v: estimators.config(v, 3, args) for v in estimators.VARIANTS}
     forms = {v: (c.kl_mode, c.kl_estimator, c.kl_correction, c.trust_region, c.kl_controller) for v, c in got.items()}
+    assert got["exact-loss"].kl_signal == "exact"
     assert forms == {
         "k1-reward": ("reward", "k1", "importance", "clip", "constant"),
         "k3-loss": ("loss", "k3", "none", "clip", "constant"),
         "k3-ratio": ("loss", "k3", "importance", "clip", "constant"),
         "k2-ratio": ("loss", "k2", "importance", "clip", "constant"),
+        "exact-loss": ("exact", "k3", "importance", "clip", "constant"),
         "dppo-tv": ("loss", "k3", "importance", "dppo_tv", "constant"),
         "budget": ("loss", "k3", "importance", "clip", "budget"),
         "dppo-tv-budget": ("loss", "k3", "importance", "dppo_tv", "budget"),

@@ -88,7 +88,7 @@ class TrainConfig:
     report_to: str = _f("none", "Trackers besides metrics.jsonl, comma-separated or the flag repeated: tensorboard (RUN/tensorboard/), wandb (RUN/wandb/; WANDB_MODE=offline needs no network), mlflow (MLFLOW_TRACKING_URI or RUN/mlflow.db); none for none.")
     log_completions_every: int = _f(0, "Every K steps write a few prompt/completion/reward rows to completions.jsonl (and TensorBoard text); 0 disables.")
     # --- KL leash
-    kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
+    kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go; 'exact': the exact full-vocabulary KL per token as the loss term (kl_signal=exact; no sampling noise over the vocabulary, each token's context held fixed).")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
     kl_correction: str = _f("importance", "The KL loss term's form: 'importance' (w = pi / pi_sampler in the graph: k3 gives w*k3, k2 gives sg(w)*k2, whose gradient w*k1*grad log pi is OpenRLHF's unbiased one; both have the reverse KL's expected gradient) or 'none' (the raw estimator, the GRPO paper's k3, whose expected gradient is the forward KL's).")
     kl_coef: float = _f(0.2, "KL coefficient beta: the constant one, or the start of an adaptive, target or budget controller.")
@@ -196,6 +196,8 @@ class TrainConfig:
              f"got kl_signal={self.kl_signal!r}: set both to 'exact' or the controller to 'sampled'")
         if self.kl_mode == "loss":
             need(self.kl_estimator in ("k2", "k3"), f"kl_estimator: kl_mode='loss' needs k2 or k3, got {self.kl_estimator!r}")
+        need(self.kl_mode != "exact" or self.kl_signal == "exact",
+             f"kl_mode: 'exact' needs kl_signal='exact' (the reference's hidden states), got {self.kl_signal!r}")
         need(not (self.lora_rank and self.reference_update == "ema"),
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
@@ -266,6 +268,7 @@ KL_LOSS_FORMS: dict[str, str | None] = {"importance": "importance", "none": None
 KL_MODES: dict[str, str] = {
     "loss": "gradient-correct KL term (kl_estimator) in the loss",
     "reward": "k1 per-token penalty in the reward, with reward-to-go",
+    "exact": "the exact full-vocabulary KL per answer token as the loss term (needs kl_signal=exact)",
 }
 
 

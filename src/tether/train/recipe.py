@@ -92,7 +92,12 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
     """Loss, per answer token ``[B, T]`` (0 elsewhere): the policy ratio's surrogate in its trust region,
     the entropy, the leash's KL term, and the detached diagnostics (``GRPOLoss``'s terms)."""
     cfg, mask = run.cfg, rows.assistant_mask & rows.attention_mask
-    scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden)
+    exact = cfg.kl_mode == "exact"  # the exact KL is then the leash's loss term, in the graph
+    if exact and rows.ref_hidden is None:
+        raise ValueError("kl_mode='exact' needs the reference's hidden states (kl_signal='exact' and a linear "
+                         "output head; Ray rollouts bring log-probs only): use kl_mode='loss' there.")
+    scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden,
+                             kl_grad=exact)
     mask = mask.to(scored.log_probs.device)
 
     def on_answers(values: torch.Tensor) -> torch.Tensor:  # padding may hold NaN: replaced, never multiplied
@@ -124,7 +129,9 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
                                                        old_logp=sampled if form else None))
         terms.kl_to_ref = on_answers(kl_estimate(logp.detach(), ref, cfg.kl_estimator))
     if scored.exact_kl is not None:
-        terms.kl_to_ref_exact = on_answers(scored.exact_kl)
+        terms.kl_to_ref_exact = on_answers(scored.exact_kl.detach())
+    if exact:
+        terms.kl_to_ref_term, terms.kl_to_ref = on_answers(scored.exact_kl), terms.kl_to_ref_exact
     return terms
 
 
