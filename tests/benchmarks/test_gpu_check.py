@@ -117,6 +117,25 @@ def test_jobs_are_for_the_dry_run_only():
     assert gpu_check.parse_args(["--dry-run"]).jobs == 3 and gpu_check.parse_args([]).jobs == 1
 
 
+def test_the_estimator_stage_records_each_finished_run_in_out(tmp_path, monkeypatch):
+    """bench-estimators runs estimators.py into $OUT/results; here its command on the CPU, shrunk to
+    one quick run (the GPU's device and dtype swapped out), and the figures it reads back."""
+    args = gpu_check.parse_args(["--dry-run", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                                 "--estimator-seeds", "5"])
+    check = gpu_check.Check(args)
+    real_sh = check.sh
+
+    def on_the_cpu(tag, command, timeout_s, **env):
+        swapped = [{"cuda": "cpu", "bfloat16": "float32"}.get(word, word) for word in command]
+        return real_sh(tag, [*swapped, "--quick", "--variants", "k3-loss"], timeout_s, **env)
+
+    monkeypatch.setattr(check, "sh", on_the_cpu)
+    figures = gpu_check.stage_bench_estimators(check, 200)
+    assert figures["runs"] == 1 and figures["variants"] == ["k3-loss"]
+    record = json.loads((tmp_path / "out" / "results" / "estimators.jsonl").read_text())
+    assert record["seed"] == 5 and record["config"]["kl_correction"] == "none"
+
+
 # ------------------------------------------------------------------------------ the model wheel's parts
 def _wheel(tmp_path: Path, size: int) -> Path:
     wheel = tmp_path / "pkg-1.0-py3-none-any.whl"

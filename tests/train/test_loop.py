@@ -12,7 +12,7 @@ import torch
 
 from tests.train.test_recipe import _metrics, _weights, interrupted_train, prepared, tiny_cfg
 from tether.objectives import RATIO_LEVELS
-from tether.ops import AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, aggregate_denominator
+from tether.ops import AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, TRUST_REGIONS, aggregate_denominator
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train import recipe
@@ -163,6 +163,12 @@ def test_eval_every_keeps_the_best_checkpoint(tmp_path, capsys):
     ({"ratio_level": "seq"}, "ratio_level: expected one of 'token', 'sequence', got 'seq'."),
     ({"importance_correction": "is"}, "importance_correction: expected one of 'tis', 'mis', 'none', got 'is'."),
     ({"eval_every": -1}, "eval_every: expected an int >= 0, got -1"),
+    ({"kl_correction": "raw"}, "kl_correction: expected one of 'importance', 'none', got 'raw'."),
+    ({"trust_region": "tv"}, "trust_region: expected one of 'clip', 'none', 'dppo_tv', 'dppo_kl', got 'tv'."),
+    ({"trust_region": "dppo_tv", "trust_region_delta_high": 1.0},
+     "trust_region_delta_high: trust_region='dppo_tv' needs a probability shift in (0, 1), got 1.0."),
+    ({"trust_region_delta": 0.0}, "trust_region_delta: expected a finite number > 0, got 0.0"),
+    ({"trust_region_delta_high": -0.1}, "trust_region_delta_high: expected a finite number >= 0, got -0.1"),
 ])
 def test_loop_config_errors_name_the_key(tmp_path, overrides, fragment):
     with pytest.raises(ValueError) as err:
@@ -176,6 +182,7 @@ def test_config_choices_are_the_registries():
     choices = config_choices()
     assert choices["aggregation"] is AGGREGATION_MODES and choices["ratio_level"] is RATIO_LEVELS
     assert set(choices["importance_correction"]) == {"none", *IMPORTANCE_WEIGHT_MODES}
+    assert choices["trust_region"] is TRUST_REGIONS
 
 
 def test_loss_variants_reach_the_loss(tmp_path):

@@ -32,8 +32,11 @@ def library_loss(cfg: TrainConfig, actor) -> GRPOLoss:
         actor, clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon,
         entropy_bonus=True, entropy_coeff=cfg.entropy_coeff, aggregation=cfg.aggregation,
         kl_estimator=cfg.kl_estimator if in_loss else "k3", kl_to_ref_coeff=cfg.kl_coef if in_loss else None,
+        kl_correction=None if cfg.kl_correction == "none" else "importance",
         normalizer=cfg.max_new_tokens if cfg.aggregation == "seq-mean-token-sum-norm" else None,
         ratio_level=cfg.ratio_level, dual_clip=cfg.dual_clip or None, importance_cap=cfg.importance_cap,
+        trust_region=cfg.trust_region,
+        trust_region_delta=(cfg.trust_region_delta, cfg.trust_region_delta_high or cfg.trust_region_delta),
         importance_correction=None if cfg.importance_correction == "none" else cfg.importance_correction,
     )
 
@@ -73,6 +76,11 @@ CASES = [
     {"kl_mode": "reward", "kl_estimator": "k1", "kl_coef": 0.2},
     {"importance_correction": "tis", "importance_cap": 1.2, "kl_estimator": "k2"},
     {"importance_correction": "mis", "importance_cap": 1.2, "ratio_level": "sequence", "entropy_coeff": 0.05},
+    {"trust_region": "dppo_tv", "trust_region_delta": 0.002},  # DPPO's masks at thresholds that cut some tokens
+    {"trust_region": "dppo_kl", "trust_region_delta": 1e-5, "trust_region_delta_high": 1e-4, "dual_clip": 1.5},
+    {"trust_region": "none", "importance_correction": "tis", "importance_cap": 1.2},
+    {"kl_correction": "none"},  # the raw k3 (GRPO paper) as the loss term
+    {"kl_correction": "none", "kl_estimator": "k2", "importance_correction": "mis", "importance_cap": 1.2},
 ]
 # Under TIS/MIS the ratio is against the trainer's stored old log-probs, when there are some.
 CASES += [{**options, "stored_old": True} for options in CASES if "importance_correction" in options]
@@ -114,7 +122,10 @@ def test_recipe_loss_equals_grpo_loss(tmp_path, options):
     # (under TIS/MIS without stored old log-probs the ratio is against the current policy: 1, never clipped)
     on_policy_ratio = options.get("importance_correction", "none") != "none" and not stored_old
     clip_acts = float(theirs.clip_fraction) > 0
-    assert clip_acts == (options.get("clip_epsilon_high") != 50.0 and not on_policy_ratio), float(theirs.clip_fraction)
+    region = options.get("trust_region", "clip")
+    expected = region != "none" and options.get("clip_epsilon_high") != 50.0 and not (on_policy_ratio and region == "clip")
+    assert clip_acts == expected, float(theirs.clip_fraction)
+    assert region == "clip" or float(theirs.clip_fraction) < 0.9  # DPPO's masks cut some tokens, not all
     assert float(theirs.ESS) < 0.99
     assert (theirs.kl_to_ref_exact is not None) == (run.cfg.kl_signal == "exact")
     assert theirs.kl_to_ref_exact is None or float(theirs.kl_to_ref_exact) > 1e-3

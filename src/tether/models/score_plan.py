@@ -14,7 +14,7 @@ they predict and their flat ``row * T + col`` positions. The sink alone narrows 
 positions asked for (``where``: the head and the softmaxes run there only), keeps the hidden
 states there as a ``HeadHidden`` (``keep_hidden``: the reference pass's gift to the loss pass,
 so the exact KL costs two head projections, not two decoder passes), computes that exact KL
-(``kl_to``, no gradient), and scatters the values back to ``[B, T]`` once.
+(``kl_to``, no gradient unless ``kl_grad``), and scatters the values back to ``[B, T]`` once.
 """
 
 from __future__ import annotations
@@ -255,8 +255,8 @@ class TokenSink:
 
     def __init__(self, head: nn.Module, shape: tuple[int, int], *, where: Tensor | None, temperature: float,
                  chunk_size: int | None, with_entropy: bool, keep_hidden: bool = False,
-                 kl_to: HeadHidden | None = None, log_probs: bool = True) -> None:
-        self.head, self.shape = head, shape
+                 kl_to: HeadHidden | None = None, log_probs: bool = True, kl_grad: bool = False) -> None:
+        self.head, self.shape, self.kl_grad = head, shape, kl_grad
         device = head.weight.device
         self.where = None if where is None else where.reshape(-1).to(device)
         self.wanted = None if where is None else int(self.where.sum())
@@ -320,11 +320,13 @@ class TokenSink:
         if self.keep_hidden:
             self.kept.append(hidden.detach())
         if self.kl_to is not None:
-            with torch.no_grad():
+            # A diagnostic unless asked for as a loss term (kl_grad): then its gradient reaches the
+            # policy's hidden states and head, the reference staying a constant.
+            with torch.set_grad_enabled(self.kl_grad and torch.is_grad_enabled()):
                 ref = self.kl_to
                 self.kl.append(exact_kl_from_hidden(
-                    hidden.detach(), head.weight, ref.hidden[self.rank[flat_index]], ref.weight,
-                    lm_head_bias=getattr(head, "bias", None), ref_lm_head_bias=ref.bias, checked=checked,
+                    hidden if self.kl_grad else hidden.detach(), head.weight, ref.hidden[self.rank[flat_index]],
+                    ref.weight, lm_head_bias=getattr(head, "bias", None), ref_lm_head_bias=ref.bias, checked=checked,
                     **self.kwargs,
                 ))
         self.checked = True

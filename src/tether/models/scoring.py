@@ -123,6 +123,7 @@ def score_tokens(
     keep_hidden: bool = False,
     kl_to: HeadHidden | None = None,
     log_probs: bool = True,
+    kl_grad: bool = False,
 ) -> ScoredTokens:
     """Log-prob (and entropy) of each token given its prefix, padding-free.
 
@@ -147,6 +148,8 @@ def score_tokens(
         kl_to: hidden states another model kept at the same ``where`` of the same tokens; the
             exact KL from this model to that one per token (``ScoredTokens.exact_kl``, no gradient).
         log_probs: False: only ``kl_to``'s exact KL (``ScoredTokens.log_probs`` is None).
+        kl_grad: the exact KL is differentiable w.r.t. this model's parameters (grad mode on),
+            for a loss term; the reference stays a constant.
 
     Returns:
         ``ScoredTokens`` with ``log_probs [B, T]`` (and ``entropy [B, T]``), 0 at the first
@@ -165,7 +168,8 @@ def score_tokens(
                 "hidden states and the exact KL from them need a plain linear head. Use the sampled KL instead."
             )
         sink = TokenSink(parts.head, tuple(tokens.shape), where=where, temperature=temperature, chunk_size=chunk_size,
-                         with_entropy=with_entropy, keep_hidden=keep_hidden, kl_to=kl_to, log_probs=log_probs)
+                         with_entropy=with_entropy, keep_hidden=keep_hidden, kl_to=kl_to, log_probs=log_probs,
+                         kl_grad=kl_grad)
         if not (share_prefix and _score_shared(parts, tokens, attention_mask, token_budget, sink)):
             _score(parts, tokens, attention_mask, token_budget, sink)
         return sink.result()

@@ -204,10 +204,11 @@ class TransformersWrapper(TensorDictModuleBase):
         return td
 
     def score(self, tokens: Tensor, attention_mask: Tensor, *, with_entropy: bool = False, where: Tensor | None = None,
-              keep_hidden: bool = False, kl_to: HeadHidden | None = None, log_probs: bool = True) -> ScoredTokens:
+              keep_hidden: bool = False, kl_to: HeadHidden | None = None, log_probs: bool = True,
+              kl_grad: bool = False) -> ScoredTokens:
         """Per-token log-probs (and entropies) of ``tokens [B, T]`` under this model.
 
-        ``where``, ``keep_hidden``, ``kl_to`` and ``log_probs`` are those of
+        ``where``, ``keep_hidden``, ``kl_to``, ``log_probs`` and ``kl_grad`` are those of
         ``tether.models.scoring.score_tokens`` (score only some positions, keep their hidden
         states, exact KL against another model's, skip the log-probs). Differentiable when grad
         mode is on; the result lives on the model's device.
@@ -226,6 +227,7 @@ class TransformersWrapper(TensorDictModuleBase):
             keep_hidden=keep_hidden,
             kl_to=kl_to,
             log_probs=log_probs,
+            kl_grad=kl_grad,
         )
 
     # ---------------------------------------------------------------- encoding

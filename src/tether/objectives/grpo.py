@@ -21,11 +21,11 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from tether.models.records import GRPOLossOutput, GRPOTokenTerms, HeadHidden, StepRecord, scores_positions
-from tether.objectives.grpo_inputs import GRPOBatch, GRPOKeys, grpo_batch_from_record, read_grpo_batch
+from tether.objectives.grpo_inputs import (AGGREGATION_ALIASES, MASKING_STRATEGIES, GRPOBatch, GRPOKeys,
+                                           grpo_batch_from_record, read_grpo_batch, refuse_torchrl_only)
 from tether.ops import (
     TokenStats,
     aggregate,
-    clipped_surrogate,
     effective_sample_size,
     gspo_log_ratio,
     importance_weights,
@@ -36,6 +36,7 @@ from tether.ops.aggregate import check_aggregation
 from tether.ops.checks import kl_coefficient, lookup, real_number, whole_number
 from tether.ops.kl import check_kl_loss_options
 from tether.ops.policy_loss import IMPORTANCE_WEIGHT_MODES, check_dual_clip, clip_bounds
+from tether.ops.trust_region import check_trust_region, trust_region_surrogate
 
 
 def _token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -48,29 +49,6 @@ RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
     "token": _token_log_ratio,
     "sequence": gspo_log_ratio,
 }
-
-# TorchRL's spellings of the aggregation modes that tether also has.
-_AGGREGATION_ALIASES = {"token_mean": "token-mean", "prompt_mean": "seq-mean-token-mean"}
-# TorchRL 0.14's masking_strategy -> the mask the loss trains on. "sft" (the response after the
-# prompt) is the assistant mask here: tether never trains on tool or user tokens of later turns.
-_MASKING_STRATEGIES = {"sft": GRPOKeys.loss_mask, "rlhf": GRPOKeys.loss_mask, "generic": None}
-
-
-def _refuse_torchrl_only(kl_mask_threshold: object, reduction: object) -> None:
-    """TorchRL 0.14 keywords tether has no equivalent for, refused by name with the change to make."""
-    if kl_mask_threshold is not None:
-        raise TypeError(
-            f"GRPOLoss: kl_mask_threshold={kl_mask_threshold!r} (TorchRL 0.14's per-token KL mask) is not "
-            "supported; drop it. tether holds the KL with a controller instead (tether.control, "
-            "kl_controller='budget' in tether train)."
-        )
-    if reduction not in (None, "mean"):
-        raise TypeError(
-            f"GRPOLoss: reduction={reduction!r} is not supported (TorchRL applies it after the aggregation; "
-            "tether's losses are already reduced by `aggregation`). Drop it, and for per-token values "
-            "use GRPOLoss.token_terms(batch)."
-        )
-
 
 def _optional_kl_coef(name: str, value: Any) -> float | None:
     """A KL term's coefficient, or None to leave the term out."""
@@ -102,6 +80,10 @@ class GRPOLoss(nn.Module):
         device: accepted for TorchRL compatibility; the loss holds no buffers and computes on the device of the
             actor's log-probs.
         dual_clip: ``c > 1`` bounds the loss of negative-advantage tokens at ``-c A``.
+        trust_region: a key of ``tether.ops.TRUST_REGIONS``: ``"clip"`` (PPO's ratio clip at ``clip_epsilon``),
+            ``"dppo_tv"`` / ``"dppo_kl"`` (DPPO's masks of the sampled token's probability shift / Bernoulli KL to the
+            sampling policy at ``trust_region_delta``) or ``"none"``; ``clip_fraction`` is the fraction it cut.
+        trust_region_delta: the DPPO threshold ``d`` or ``(low, high)``.
         ratio_level: ``"token"`` (PPO / GRPO) or ``"sequence"`` (GSPO).
         importance_correction: ``None``, ``"tis"`` or ``"mis"``: reweight each token by ``w = pi_old / pi_sampler``
             truncated (TIS) or masked (MIS) at ``importance_cap``, for a sampler (e.g. vLLM) that disagrees with the
@@ -159,6 +141,8 @@ class GRPOLoss(nn.Module):
         device: torch.device | str | None = None,
         dual_clip: float | None = None,
         ratio_level: str = "token",
+        trust_region: str = "clip",
+        trust_region_delta: float | tuple[float, float] = 0.2,
         importance_correction: str | None = None,
         importance_cap: float = 2.0,
         normalizer: float | None = None,
@@ -167,9 +151,9 @@ class GRPOLoss(nn.Module):
         reduction: str | None = None,
     ) -> None:
         super().__init__()
-        _refuse_torchrl_only(kl_mask_threshold, reduction)
+        refuse_torchrl_only(kl_mask_threshold, reduction)
         keys = GRPOKeys() if masking_strategy is None else GRPOKeys(
-            loss_mask=lookup(_MASKING_STRATEGIES, masking_strategy, "masking_strategy"))
+            loss_mask=lookup(MASKING_STRATEGIES, masking_strategy, "masking_strategy"))
         if not callable(getattr(actor_network, "score", None)):
             raise TypeError(
                 f"actor_network must have a score(tokens, attention_mask, *, with_entropy) method, as "
@@ -183,10 +167,11 @@ class GRPOLoss(nn.Module):
         self.actor_network = actor_network
         self.clip_epsilon = clip_epsilon
         self.dual_clip = dual_clip
+        self.trust_region, self.trust_region_delta = trust_region, trust_region_delta
         self.entropy_bonus = entropy_bonus
         self.samples_mc_entropy = samples_mc_entropy
         self.entropy_coeff = float(entropy_coeff)
-        self.aggregation = _AGGREGATION_ALIASES.get(aggregation, aggregation)
+        self.aggregation = AGGREGATION_ALIASES.get(aggregation, aggregation)
         self.normalizer = normalizer
         self.kl_to_ref_coeff = kl_to_ref_coeff
         self._kl_to_inference_coeff = _optional_kl_coef("kl_to_inference_coeff", kl_to_inference_coeff)
@@ -204,6 +189,7 @@ class GRPOLoss(nn.Module):
         # bad one fails here and not at the first step.
         clip_bounds(self.clip_epsilon)
         check_dual_clip(self.dual_clip)
+        check_trust_region(self.trust_region, self.trust_region_delta)
         if self.normalizer is not None and self.aggregation != "seq-mean-token-sum-norm":
             raise ValueError(
                 f"normalizer is only used by aggregation='seq-mean-token-sum-norm'; got aggregation="
@@ -302,8 +288,10 @@ class GRPOLoss(nn.Module):
         zero = torch.zeros_like(cur_all)
         cur = torch.where(mask, cur_all, zero)
         base = self._ratio_base(cur, batch)
-        policy = clipped_surrogate(RATIO_LEVELS[self.ratio_level](cur, base, mask), batch.advantage,
-                                   clip_epsilon=self.clip_epsilon, dual_clip=self.dual_clip)
+        policy = trust_region_surrogate(
+            RATIO_LEVELS[self.ratio_level](cur, base, mask), batch.advantage, cur, batch.sample_log_probs,
+            kind=self.trust_region, clip_epsilon=self.clip_epsilon, delta=self.trust_region_delta,
+            dual_clip=self.dual_clip)
         per_token = policy.loss
         if self.importance_correction is not None:
             per_token = per_token * importance_weights(
@@ -393,7 +381,8 @@ class GRPOLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"clip_epsilon={self.clip_epsilon}, aggregation={self.aggregation!r}, ratio_level={self.ratio_level!r}, "
+            f"clip_epsilon={self.clip_epsilon}, trust_region={self.trust_region!r}, aggregation={self.aggregation!r}, "
+            f"ratio_level={self.ratio_level!r}, "
             f"kl_to_ref_coeff={self.kl_to_ref_coeff}, kl_estimator={self.kl_estimator!r}, "
             f"kl_correction={self.kl_correction!r}, entropy_coeff={self.entropy_coeff if self.entropy_bonus else None}"
         )

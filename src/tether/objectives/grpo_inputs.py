@@ -267,3 +267,26 @@ def grpo_batch_from_record(record: StepRecord, *, with_ref: bool, with_old: bool
         ref_log_probs=clean(record.ref_log_probs, "ref_log_probs") if with_ref else None,
         old_log_probs=clean(record.old_log_probs, "old_log_probs") if with_old else None,
     )
+
+
+# TorchRL's spellings of the aggregation modes that tether also has.
+AGGREGATION_ALIASES = {"token_mean": "token-mean", "prompt_mean": "seq-mean-token-mean"}
+# TorchRL 0.14's masking_strategy -> the mask the loss trains on. "sft" (the response after the
+# prompt) is the assistant mask here: tether never trains on tool or user tokens of later turns.
+MASKING_STRATEGIES = {"sft": GRPOKeys.loss_mask, "rlhf": GRPOKeys.loss_mask, "generic": None}
+
+
+def refuse_torchrl_only(kl_mask_threshold: object, reduction: object) -> None:
+    """TorchRL 0.14 keywords tether has no equivalent for, refused by name with the change to make."""
+    if kl_mask_threshold is not None:
+        raise TypeError(
+            f"GRPOLoss: kl_mask_threshold={kl_mask_threshold!r} (TorchRL 0.14's per-token KL mask) is not "
+            "supported; drop it. tether holds the KL with a controller instead (tether.control, "
+            "kl_controller='budget' in tether train)."
+        )
+    if reduction not in (None, "mean"):
+        raise TypeError(
+            f"GRPOLoss: reduction={reduction!r} is not supported (TorchRL applies it after the aggregation; "
+            "tether's losses are already reduced by `aggregation`). Drop it, and for per-token values "
+            "use GRPOLoss.token_terms(batch)."
+        )

@@ -20,6 +20,7 @@ from tether.ops.policy_loss import (
     gspo_log_ratio,
     importance_weights,
 )
+from tether.ops.trust_region import TRUST_REGIONS, bernoulli_kl, trust_region_surrogate, tv_shift
 from tether.ops.masks import (
     PADDING_SIDES,
     Padded,
@@ -41,9 +42,11 @@ __all__ = [
     "Padded",
     "PolicyLoss",
     "STD_MODES",
+    "TRUST_REGIONS",
     "TokenStats",
     "aggregate",
     "aggregate_denominator",
+    "bernoulli_kl",
     "clipped_surrogate",
     "even_slices",
     "effective_sample_size",
@@ -70,5 +73,7 @@ __all__ = [
     "token_logprobs_from_hidden",
     "token_stats_from_hidden",
     "truncate_at_first_eos",
+    "trust_region_surrogate",
+    "tv_shift",
     "row_slices",
 ]

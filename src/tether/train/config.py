@@ -71,6 +71,9 @@ class TrainConfig:
     advantage: str = _f("grpo", "Group advantage: grpo (z-score), dr_grpo (mean only), rloo (leave-one-out).")
     entropy_coeff: float = _f(0.0, "Entropy bonus coefficient; 0 disables the bonus (entropy is still logged).")
     ratio_level: str = _f("token", "Importance ratio per token (PPO/GRPO) or per sequence, length-normalised (GSPO): token, sequence.")
+    trust_region: str = _f("clip", "Trust region to the sampling policy, cutting a token's policy gradient: clip (PPO's ratio clip at clip_epsilon), dppo_tv / dppo_kl (DPPO's masks: the sampled token's probability shift p - q, or the Bernoulli KL(q || p), past trust_region_delta in the advantage's direction) or none.")
+    trust_region_delta: float = _f(0.2, "DPPO threshold (low side, and high side unless trust_region_delta_high is set): a probability shift in (0, 1) for dppo_tv, nats for dppo_kl.")
+    trust_region_delta_high: float = _f(0.0, "Upper DPPO threshold; 0 uses trust_region_delta.")
     dual_clip: float = _f(0.0, "Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; 0 disables.")
     importance_correction: str = _f("none", "Sampler/trainer mismatch weights: none, tis (truncated) or mis (masked) at importance_cap.")
     importance_cap: float = _f(2.0, "Threshold of the tis/mis importance weights (> 0).")
@@ -85,8 +88,9 @@ class TrainConfig:
     report_to: str = _f("none", "Trackers besides metrics.jsonl, comma-separated or the flag repeated: tensorboard (RUN/tensorboard/), wandb (RUN/wandb/; WANDB_MODE=offline needs no network), mlflow (MLFLOW_TRACKING_URI or RUN/mlflow.db); none for none.")
     log_completions_every: int = _f(0, "Every K steps write a few prompt/completion/reward rows to completions.jsonl (and TensorBoard text); 0 disables.")
     # --- KL leash
-    kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go.")
+    kl_mode: str = _f("loss", "'loss': gradient-correct KL term in the loss; 'reward': k1 per-token penalty in the reward with reward-to-go; 'exact': the exact full-vocabulary KL per token as the loss term (kl_signal=exact; no sampling noise over the vocabulary, each token's context held fixed).")
     kl_estimator: str = _f("k3", "Estimator of the KL loss term (k2 or k3); the reward mode always uses k1.")
+    kl_correction: str = _f("importance", "The KL loss term's form: 'importance' (w = pi / pi_sampler in the graph: k3 gives w*k3, k2 gives sg(w)*k2, whose gradient w*k1*grad log pi is OpenRLHF's unbiased one; both have the reverse KL's expected gradient) or 'none' (the raw estimator, the GRPO paper's k3, whose expected gradient is the forward KL's).")
     kl_coef: float = _f(0.2, "KL coefficient beta: the constant one, or the start of an adaptive, target or budget controller.")
     kl_controller: str = _f("budget", "'budget' (after each update measures the KL on the step's answers and, outside 0.75-1.125 x kl_target, moves the weights along the line to the reference back to kl_target; beta adapts slowly from kl_coef), 'target' (moves beta every step to hold the KL at kl_target; kl_coef is its start), 'constant' (beta = kl_coef) or 'adaptive' (Ziegler et al. 2019) control of beta.")
     kl_target: float = _f(3.0, "KL the target or adaptive controller aims at: mean per-sequence summed KL (nats per answer).")
@@ -192,6 +196,8 @@ class TrainConfig:
              f"got kl_signal={self.kl_signal!r}: set both to 'exact' or the controller to 'sampled'")
         if self.kl_mode == "loss":
             need(self.kl_estimator in ("k2", "k3"), f"kl_estimator: kl_mode='loss' needs k2 or k3, got {self.kl_estimator!r}")
+        need(self.kl_mode != "exact" or self.kl_signal == "exact",
+             f"kl_mode: 'exact' needs kl_signal='exact' (the reference's hidden states), got {self.kl_signal!r}")
         need(not (self.lora_rank and self.reference_update == "ema"),
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
@@ -212,7 +218,7 @@ _RANGES: dict[str, dict[str, Any]] = {
     **{name: {"low": 0} for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
                                      "warmup_steps", "eval_every", "log_completions_every", "max_turns", "max_resample",
-                                     "max_episode_tokens")},
+                                     "max_episode_tokens", "trust_region_delta_high")},
     **{name: {"low": 0, "low_open": True} for name in ("learning_rate", "temperature", "kl_target", "importance_cap")},
     "kl_bound": {"low": 0, "fix": "0 turns the ceiling off."},
     "kl_band": {"low": 0, "low_open": True, "high": 1, "high_open": True},
@@ -220,6 +226,7 @@ _RANGES: dict[str, dict[str, Any]] = {
     "kl_max_forwards": {"low": 2, "fix": "One reads the updated weights, one a move."},
     "ray_timeout": {"low": 0, "low_open": True, "fix": "It is in seconds."},
     "clip_epsilon": {"low": 0, "low_open": True, "high": 1, "high_open": True},
+    "trust_region_delta": {"low": 0, "low_open": True},
     "reference_alpha": {"low": 0, "low_open": True, "high": 1},
 }
 
@@ -239,6 +246,12 @@ def _loop_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"kl_bound: the budget may keep weights up to (1 + kl_band) x kl_target = {top:g} nats per answer, "
                  f"above kl_bound = {cfg.kl_bound:g}; raise kl_bound to at least {top:g}, or lower kl_target to at most "
                  f"{cfg.kl_bound / (1 + cfg.kl_band):g} (or kl_band)")
+    if cfg.trust_region == "dppo_tv":
+        fix = "A probability moves by at most 1, so the mask would never act."
+        for name in ("trust_region_delta", "trust_region_delta_high"):
+            if getattr(cfg, name) >= 1:
+                p.append(f"{name}: trust_region='dppo_tv' needs a probability shift in (0, 1), "
+                         f"got {getattr(cfg, name)!r}. {fix}")
     if cfg.dual_clip:
         p.extend(problems(real_number, "dual_clip", cfg.dual_clip, low=1, low_open=True, fix="0 turns it off."))
     return p
@@ -249,10 +262,13 @@ LIST_FIELDS = ("report_to",)
 
 # importance_correction's extra name next to the registry's: off.
 _NO_CORRECTION: dict[str, None] = {"none": None}
+# kl_correction's names for tether.ops.KL_CORRECTIONS' keys ("none": the raw estimator, key None).
+KL_LOSS_FORMS: dict[str, str | None] = {"importance": "importance", "none": None}
 
 KL_MODES: dict[str, str] = {
     "loss": "gradient-correct KL term (kl_estimator) in the loss",
     "reward": "k1 per-token penalty in the reward, with reward-to-go",
+    "exact": "the exact full-vocabulary KL per answer token as the loss term (needs kl_signal=exact)",
 }
 
 
@@ -261,7 +277,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.control import KL_CONTROLLERS
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
-    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS
+    from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS, TRUST_REGIONS
     from tether.integrations.trackers import TRACKERS
     from tether.train.updates import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
@@ -269,11 +285,11 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.train.updates import KL_SIGNALS
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
-            "kl_estimator": KL_ESTIMATORS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
+            "kl_estimator": KL_ESTIMATORS, "kl_correction": KL_LOSS_FORMS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
             "kl_control_signal": KL_SIGNALS,
             "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
             "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),
-            "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}
+            "trust_region": TRUST_REGIONS, "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}
 
 
 def _unknown_key(key: str, known: Collection[str]) -> str:

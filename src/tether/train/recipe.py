@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 from tether.models.records import GRPOLossOutput, GRPOTokenTerms, StepRecord, group_ids
-from tether.ops import (aggregate, aggregate_denominator, clipped_surrogate, effective_sample_size, group_advantages,
-                        gspo_log_ratio, importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices)
-from tether.train.config import TrainConfig
+from tether.ops import (aggregate, aggregate_denominator, effective_sample_size, group_advantages, gspo_log_ratio,
+                        importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices, trust_region_surrogate)
+from tether.train.config import KL_LOSS_FORMS, TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
 from tether.train.run import Run, build_run, close_run, close_step, open_run
@@ -89,10 +89,15 @@ def add_advantages(run: Run, record: StepRecord) -> None:
 
 # ------------------------------------------------------------------------------ the loss
 def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
-    """Loss, per answer token ``[B, T]`` (0 elsewhere): the clipped surrogate of the policy ratio,
+    """Loss, per answer token ``[B, T]`` (0 elsewhere): the policy ratio's surrogate in its trust region,
     the entropy, the leash's KL term, and the detached diagnostics (``GRPOLoss``'s terms)."""
     cfg, mask = run.cfg, rows.assistant_mask & rows.attention_mask
-    scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden)
+    exact = cfg.kl_mode == "exact"  # the exact KL is then the leash's loss term, in the graph
+    if exact and rows.ref_hidden is None:
+        raise ValueError("kl_mode='exact' needs the reference's hidden states (kl_signal='exact' and a linear "
+                         "output head; Ray rollouts bring log-probs only): use kl_mode='loss' there.")
+    scored = run.actor.score(rows.tokens, rows.attention_mask, with_entropy=True, where=mask, kl_to=rows.ref_hidden,
+                             kl_grad=exact)
     mask = mask.to(scored.log_probs.device)
 
     def on_answers(values: torch.Tensor) -> torch.Tensor:  # padding may hold NaN: replaced, never multiplied
@@ -105,7 +110,9 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
         rows.old_log_probs if rows.old_log_probs is not None else logp.detach())
     log_ratio = gspo_log_ratio(logp, old, mask) if cfg.ratio_level == "sequence" else torch.where(mask, logp - old, 0.0)
     clip = (cfg.clip_epsilon, cfg.clip_epsilon_high) if cfg.clip_epsilon_high else cfg.clip_epsilon
-    surrogate = clipped_surrogate(log_ratio, on_answers(rows.advantages), clip_epsilon=clip, dual_clip=cfg.dual_clip or None)
+    delta = (cfg.trust_region_delta, cfg.trust_region_delta_high or cfg.trust_region_delta)
+    surrogate = trust_region_surrogate(log_ratio, on_answers(rows.advantages), logp, sampled, kind=cfg.trust_region,
+                                       clip_epsilon=clip, delta=delta, dual_clip=cfg.dual_clip or None)
     policy = surrogate.loss
     if cfg.importance_correction != "none":
         policy = policy * importance_weights(old, sampled, mask, mode=cfg.importance_correction, cap=cfg.importance_cap)
@@ -115,12 +122,16 @@ def token_terms(run: Run, rows: StepRecord) -> GRPOTokenTerms:
                            log_weights=torch.where(mask, logp.detach() - sampled, 0.0),
                            # at coefficient 0 the entropy is a diagnostic: backward skips its vocabulary-wide gradient
                            entropy=entropy if cfg.entropy_coeff else entropy.detach())
-    if cfg.kl_mode == "loss":  # importance-weighted: the gradient of KL(pi || pi_ref) in expectation, also off-policy
+    if cfg.kl_mode == "loss":  # importance-weighted by default: the gradient of KL(pi || pi_ref) in expectation
         ref = on_answers(rows.ref_log_probs)
-        terms.kl_to_ref_term = on_answers(kl_loss_term(logp, ref, estimator=cfg.kl_estimator, old_logp=sampled))
+        form = KL_LOSS_FORMS[cfg.kl_correction]
+        terms.kl_to_ref_term = on_answers(kl_loss_term(logp, ref, estimator=cfg.kl_estimator, correction=form,
+                                                       old_logp=sampled if form else None))
         terms.kl_to_ref = on_answers(kl_estimate(logp.detach(), ref, cfg.kl_estimator))
     if scored.exact_kl is not None:
-        terms.kl_to_ref_exact = on_answers(scored.exact_kl)
+        terms.kl_to_ref_exact = on_answers(scored.exact_kl.detach())
+    if exact:
+        terms.kl_to_ref_term, terms.kl_to_ref = on_answers(scored.exact_kl), terms.kl_to_ref_exact
     return terms
 
 
