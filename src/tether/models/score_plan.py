@@ -58,12 +58,8 @@ def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class Spans:
-    """A batch's rows checked once (``row_spans``): what every pass of one scoring call reads.
-
-    Attributes:
-        mask: ``bool [B, T]``, each row one contiguous run of valid tokens.
-        start: ``long [B]`` each run's first column (0 for an empty row). lengths: ``long [B]``.
-    """
+    """A batch's rows checked once (``row_spans``), what every pass of one scoring call reads: ``mask
+    bool [B, T]`` (each row one contiguous run), each run's ``start [B]`` and ``lengths [B]`` (long)."""
 
     mask: Tensor
     start: Tensor
