@@ -16,6 +16,7 @@ median and the spread (min-max) of each phase; run it once per source tree, inte
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--record", default=None, help="where the sampled batch is kept (read when it exists)")
     p.add_argument("--label", default="", help="a name for this tree in the output")
+    p.add_argument("--out", default=None, help="append one JSON line of the raw times here")
     return p.parse_args(argv)
 
 
@@ -90,6 +92,11 @@ def main(argv=None) -> dict:
             for name, t in times.items()]
     print(f"{args.label} {args.model}, {len(record)} answers x {record.tokens.shape[1]} columns, 1 thread")
     print(markdown_table(["phase", "median s", "spread (min-max) s", "repeats"], rows))
+    if args.out:
+        line = {"label": args.label, "model": args.model, "answers": len(record), "columns": record.tokens.shape[1],
+                "threads": 1, "date": time.strftime("%Y-%m-%d"), "seconds": times}
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
     return times
 
 
