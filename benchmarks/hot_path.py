@@ -11,6 +11,9 @@ tiny random model, where the forwards are cheap and the checks' share shows. Pri
 median and the spread (min-max) of each phase; run it once per source tree, interleaved:
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/hot_path.py --prompts 4 --record /tmp/hot.pt
+
+benchmarks/results/hot_path.jsonl holds the raw times of issue 44 (base 75bca58 against this change,
+labels base-N / branch-N in the order they ran) on a shared 2-core machine under heavy load.
 """
 
 from __future__ import annotations
