@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
     import tether.models.scoring as scoring
     from tether.models.packing import plan_prefix_split
+    from tether.models.score_plan import Spans
     from tether.train import recipe
     from tether.train.config import TrainConfig
     from tether.train.updates import answer_kl
@@ -41,12 +42,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     problems = recipe.step_problems(run, 1)
     record = recipe.sample(run, problems, 1)
     recipe.add_rewards(run, record, problems, 1)
-    plans = {"batch grid": lambda tokens, mask: (tokens, mask.bool(), torch.arange(tokens.numel())),
+    plans = {"batch grid": lambda tokens, spans: (tokens, spans.mask, torch.arange(tokens.numel())),
              "left-aligned rows": scoring.left_aligned}
     total = int(record.attention_mask.sum())
     print(f"{record.tokens.shape[0]} rows, {total} tokens, {int(record.assistant_mask.sum())} answer tokens")
     for name, plan in plans.items():
-        split = plan_prefix_split(*plan(record.tokens, record.attention_mask)[:2])
+        split = plan_prefix_split(*plan(record.tokens, Spans.of(record.attention_mask))[:2])
         print(f"  plan on the {name}: {total - (split.tokens_saved if split else 0)} decoder tokens"
               + (f", {len(split.representatives)} distinct prefixes cut at column {split.width}" if split else ""))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tether.ops.masks import repack
-from tether.models.score_plan import iter_micro_batches, plan_micro_batches
+from tether.models.score_plan import Spans, iter_micro_batches, plan_micro_batches
 from tests.ops.test_relayout import SIDES, _naive_padded, _ragged
 
 
@@ -33,7 +33,7 @@ def test_micro_batches_lay_rows_out_right_padded_with_their_grid_positions(budge
         mask[b, s : s + n] = True
     passes = [rows.tolist() for rows in plan_micro_batches(torch.tensor(lengths), budget)]
     passes = [rows for rows in passes if max(lengths[b] for b in rows) >= 2]  # nothing to predict otherwise
-    got = iter_micro_batches(tokens, mask, budget, "cpu")
+    got = iter_micro_batches(tokens, Spans.of(mask), budget, "cpu")
     assert len(got) == len(passes)
     for mb, rows in zip(got, passes):
         width = max(lengths[b] for b in rows)

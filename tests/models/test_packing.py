@@ -11,6 +11,7 @@ import torch
 
 from tether._compat import attention_implementation, enable_gradient_checkpointing
 from tether.models.packing import ROW_ATTENTION, pack_rows, packed_kernel, row_attention
+from tether.models.score_plan import Spans
 from tether.models.score_plan import plan_micro_batches
 from tether.models.scoring import score_tokens
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
@@ -23,7 +24,7 @@ def test_pack_rows_by_hand():
     start at 0 and 3 of 5 tokens, the longest has 3."""
     tokens = torch.tensor([[0, 5, 6, 7], [8, 9, 0, 0]])
     mask = torch.tensor([[False, True, True, True], [True, True, False, False]])
-    packed = pack_rows(tokens, mask)
+    packed = pack_rows(tokens, Spans.of(mask))
     assert packed.ids.tolist() == [[5, 6, 7, 8, 9]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert packed.scored.tolist() == [[True, True, False, True, False]]
@@ -37,7 +38,7 @@ def test_pack_rows_of_a_subset_address_the_whole_grid():
     row 0's labels 6, 7 at 2, 3, exactly where the whole batch's packing puts them."""
     tokens = torch.tensor([[0, 5, 6, 7], [8, 9, 0, 0], [1, 2, 3, 4]])
     mask = tokens != 0
-    packed = pack_rows(tokens, mask, torch.tensor([1, 0]))
+    packed = pack_rows(tokens, Spans.of(mask), torch.tensor([1, 0]))
     assert packed.ids.tolist() == [[8, 9, 5, 6, 7]]
     assert packed.flat_index.tolist() == [5, 2, 3]
     assert packed.bounds.tolist() == [0, 2, 5]

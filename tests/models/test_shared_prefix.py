@@ -11,7 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from tether.models import TransformersWrapper
 from tether.models.scoring import ACCELERATOR_TOKEN_BUDGET, DEFAULT_TOKEN_BUDGET, default_layout, score_tokens
 from tether.models.packing import plan_prefix_split
-from tether.models.score_plan import left_aligned
+from tether.models.score_plan import Spans, left_aligned
 from tether.ops.masks import pad_rows, repack
 from tests.helpers import make_tiny_model, make_tokenizer
 
@@ -265,7 +265,7 @@ def test_a_left_padded_batch_shares_its_prompts_as_a_right_padded_one(model64):
     scoring."""
     tokens, mask = _hand_batch("left")
     assert (plan_prefix_split(tokens, mask).width, plan_prefix_split(tokens, mask).tokens_saved) == (4, 7)
-    aligned, aligned_mask, _ = left_aligned(tokens, mask)
+    aligned, aligned_mask, _ = left_aligned(tokens, Spans.of(mask))
     assert torch.equal(aligned, _hand_batch("right")[0]) and torch.equal(aligned_mask, _hand_batch("right")[1])
     split = plan_prefix_split(aligned, aligned_mask)
     assert (split.width, split.tokens_saved) == (3, 12)
@@ -299,7 +299,7 @@ def test_kept_hidden_states_and_the_exact_kl_land_on_the_batch_grid(model64):
     for share in (False, True):
         ref = score_tokens(other, tokens, mask, where=where, keep_hidden=True, share_prefix=share)
         runs[share] = (ref, score_tokens(model64, tokens, mask, where=where, kl_to=ref.hidden, share_prefix=share))
-    assert plan_prefix_split(*left_aligned(tokens, mask)[:2]) is not None
+    assert plan_prefix_split(*left_aligned(tokens, Spans.of(mask))[:2]) is not None
     (ref_plain, kl_plain), (ref_shared, kl_shared) = runs[False], runs[True]
     torch.testing.assert_close(ref_shared.hidden.hidden, ref_plain.hidden.hidden, rtol=0, atol=1e-12)
     torch.testing.assert_close(ref_shared.log_probs, ref_plain.log_probs, rtol=0, atol=1e-12)

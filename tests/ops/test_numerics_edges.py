@@ -136,6 +136,20 @@ def test_group_advantages_that_do_not_fit_raise(mode):
     assert torch.isfinite(exact).all()
 
 
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+def test_float64_rewards_whose_spread_overflows_raise(mode):
+    """[1e200, 0, 1e200, 0] float64: centred +-5e199, squared 2.5e399 > float64 max (1.8e308), so
+    the group's spread is inf and grpo would read 5e199 / inf = 0 for every sample: a silent zero.
+    Every mode refuses (the spread is checked whichever mode reads it); 1e150 still fits:
+    grpo sqrt(3)/2, dr_grpo 5e149, rloo 2e150 / 3."""
+    with pytest.raises(ValueError, match=rf"mode='{mode}'.*does not fit in torch.float64.*rescale the rewards\.$"):
+        group_advantages(torch.tensor([1e200, 0.0, 1e200, 0.0], dtype=F64), mode=mode)
+    b = 1e150
+    expected = {"grpo": (b / 2) / (b / math.sqrt(3) + 1e-6), "dr_grpo": b / 2, "rloo": 2 * b / 3}[mode]
+    got = group_advantages(torch.tensor([b, 0.0, b, 0.0], dtype=F64), mode=mode)
+    torch.testing.assert_close(got, expected * torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=F64), rtol=1e-15, atol=0)
+
+
 def test_group_advantages_refuse_non_finite_rewards():
     with pytest.raises(ValueError, match="rewards must be finite"):
         group_advantages(torch.tensor([1.0, float("nan"), 0.0]))

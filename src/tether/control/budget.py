@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from tether.control.kl_io import check_state_keys, control_targets, mean_sequence_kl, one_knob, push_coef
+from tether.control.kl_io import SequenceKL, check_state_keys, control_targets, one_knob, push_coef, torchrl_kl
 from tether.models.reference import AdapterDisabledReference, tracked_pairs
 from tether.ops.checks import real_number, whole_number
 
@@ -163,7 +163,11 @@ class BudgetKLController:
     # ------------------------------------------------------------------ beta
     def update(self, kl_values: Any = None, n_steps: int | None = None) -> float:
         """PI step of ``log beta`` on ``log(KL / target)`` (inputs as ``AdaptiveKLController.update``)."""
-        kl, _ = mean_sequence_kl(kl_values, n_steps)
+        return self.step(torchrl_kl(kl_values, n_steps))
+
+    def step(self, reading: SequenceKL) -> float:
+        """``update`` on a checked reading (``tether.control.kl_io.sequence_kl`` of the ``[N]`` KLs)."""
+        kl = reading.mean
         error = 1.0 if kl > 0 and math.isinf(kl) else min(max(math.log(max(kl, 1e-12) / self.target), -1.0), 1.0)
         low, high = math.log(self.min_coef), math.log(self.max_coef)
         self.integral = min(max(self.integral + self.integral_gain * error, low), high)  # no wind-up past a bound
@@ -196,7 +200,7 @@ class BudgetKLController:
             factor, kept, spent = pull_under_ceiling(line, measure, kept, ceiling=ceiling, aim=self.target,
                                                      power=self.power)
             scale, forwards = scale * factor, forwards + spent
-        self.update(torch.tensor([kl_before], dtype=torch.float64))
+        self.step(SequenceKL(kl_before, 1))  # finite: _finite read it
         return BudgetMove(kl_before, kept, scale, forwards, rejected)
 
     def _search(self, move: Callable[[float], None], measure: Measure, points: dict[float, float]) -> float | None:

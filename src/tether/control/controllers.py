@@ -28,11 +28,12 @@ from typing import Any, Protocol
 
 from tether.control.budget import BudgetKLController
 from tether.control.kl_io import (
+    SequenceKL,
     check_state_keys,
     control_targets,
-    mean_sequence_kl,
     one_knob,
     push_coef,
+    torchrl_kl,
 )
 from tether.control.target import TargetKLController
 from tether.ops.checks import lookup, real_number
@@ -98,6 +99,10 @@ class ConstantKLController:
         """
         push_coef(self.models, self._coef)
         return self._coef
+
+    def step(self, kl: SequenceKL) -> float:
+        """``update`` on a checked reading (which it ignores)."""
+        return self.update()
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_coef": self._coef}
@@ -185,7 +190,11 @@ class AdaptiveKLController:
                 floats (nats per sequence); or a scalar, their mean, with ``n_steps``.
             n_steps: number of sequences; defaults to ``len(kl_values)``.
         """
-        mean_kl, count = mean_sequence_kl(kl_values, n_steps)
+        return self.step(torchrl_kl(kl_values, n_steps))
+
+    def step(self, kl: SequenceKL) -> float:
+        """``update`` on a checked reading (``tether.control.kl_io.sequence_kl`` of the ``[N]`` KLs)."""
+        mean_kl, count = kl.mean, kl.count
         step = count / self.horizon
         if _ERROR_CLIP * step >= 1.0:
             raise ValueError(

@@ -24,11 +24,12 @@ import math
 from typing import Any
 
 from tether.control.kl_io import (
+    SequenceKL,
     check_state_keys,
     control_targets,
-    mean_sequence_kl,
     one_knob,
     push_coef,
+    torchrl_kl,
 )
 from tether.ops.checks import real_number, whole_number
 
@@ -131,7 +132,11 @@ class TargetKLController:
     def update(self, kl_values: Any = None, n_steps: int | None = None) -> float:
         """Moves beta after one batch and returns it; the inputs are those of
         ``AdaptiveKLController.update`` (per-sequence KLs, or their mean with ``n_steps``)."""
-        kl, _ = mean_sequence_kl(kl_values, n_steps)
+        return self.step(torchrl_kl(kl_values, n_steps))
+
+    def step(self, reading: SequenceKL) -> float:
+        """``update`` on a checked reading (``tether.control.kl_io.sequence_kl`` of the ``[N]`` KLs)."""
+        kl = reading.mean
         if self.last_kl is not None:
             change = kl - self.last_kl
             # The first change is the trend; after that an exponential average of the changes.

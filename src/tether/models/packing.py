@@ -34,9 +34,9 @@ from tether._compat import (
     register_attention,
     supports_attention_interface,
 )
-from tether.models.score_plan import TokenSink, distinct_rows, plan_micro_batches, row_spans
+from tether.models.score_plan import Spans, TokenSink, distinct_rows, plan_micro_batches
 from tether.ops import TokenStats, token_stats_from_hidden
-from tether.ops.masks import padded_index, position_ids
+from tether.ops.masks import padded_index, position_ids, row_runs
 
 # Attention implementations whose Hugging Face integration runs variable-length attention
 # from cu_seq_lens, and the package holding their kernel.
@@ -93,11 +93,11 @@ class PackedRows:
                 "max_length_q": self.longest, "max_length_k": self.longest}
 
 
-def pack_rows(tokens: Tensor, attention_mask: Tensor, rows: Tensor | None = None) -> PackedRows:
-    """Pack ``rows`` (default: all, in order) of ``tokens [B, T]`` (each row one contiguous run
-    of valid tokens, either padding side); ``flat_index`` addresses the whole ``[B, T]`` grid."""
+def pack_rows(tokens: Tensor, spans: Spans, rows: Tensor | None = None) -> PackedRows:
+    """Pack ``rows`` (default: all, in order) of ``tokens [B, T]`` (their runs in ``spans``, either
+    padding side); ``flat_index`` addresses the whole ``[B, T]`` grid."""
     rows = torch.arange(tokens.shape[0], device=tokens.device) if rows is None else rows
-    start, lengths = row_spans(attention_mask[rows])
+    start, lengths = spans.start[rows], spans.lengths[rows]
     owner = torch.repeat_interleave(torch.arange(rows.numel(), device=tokens.device), lengths)
     bounds = torch.zeros(rows.numel() + 1, dtype=torch.long, device=tokens.device)
     bounds[1:] = lengths.cumsum(0)
@@ -147,15 +147,14 @@ def row_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
 register_attention(ROW_ATTENTION, row_attention)
 
 
-def score_packed(decoder: nn.Module, kernel: str, tokens: Tensor, attention_mask: Tensor, sink: TokenSink,
+def score_packed(decoder: nn.Module, kernel: str, tokens: Tensor, spans: Spans, sink: TokenSink,
                  token_budget: int) -> None:
     """``score_tokens``'s hidden states from packed passes of ``decoder`` attending with ``kernel``
     (``packed_kernel``'s answer), into ``sink`` (see the module doc)."""
     device = sink.head.weight.device
-    tokens, attention_mask = tokens.to(device), attention_mask.to(device)
-    _, lengths = row_spans(attention_mask)
-    for rows in plan_micro_batches(lengths, token_budget, packed=True):
-        packed = pack_rows(tokens, attention_mask, rows)
+    tokens, spans = tokens.to(device), spans.to(device)
+    for rows in plan_micro_batches(spans.lengths, token_budget, packed=True):
+        packed = pack_rows(tokens, spans, rows)
         if not packed.scored.any():
             continue  # rows of 0 or 1 token: nothing is predicted
         with attention_kernel(decoder, kernel):
@@ -230,7 +229,7 @@ def _run_prefixes(
     the decoder's cache is not a plain full-attention one.
     """
     cut = prefix_ids.shape[1]
-    start, lengths = row_spans(prefix_mask)
+    start, lengths = row_runs(prefix_mask)  # leading columns of rows the caller checked: one run each
     flat = prefix_ids.reshape(-1)
     hidden_parts: list[Tensor] = []
     kv_parts: list[list[tuple[Tensor, Tensor]]] = []

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tether.models.records import HeadHidden, ScoredTokens
 from tether.ops import TokenStats, exact_kl_from_hidden, token_stats_from_hidden
 from tether.ops.checks import compute_dtype
-from tether.ops.masks import flat_runs, padded_index, row_runs, row_slices  # row_slices: its callers import it from here
+from tether.ops.masks import padded_index, row_runs, row_slices  # row_slices: its callers import it from here
 
 
 def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,6 +54,29 @@ def row_spans(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
             "padding or score those rows separately."
         )
     return start, lengths
+
+
+@dataclass(frozen=True)
+class Spans:
+    """A batch's rows checked once (``row_spans``), what every pass of one scoring call reads: ``mask
+    bool [B, T]`` (each row one contiguous run), each run's ``start [B]`` and ``lengths [B]`` (long)."""
+
+    mask: Tensor
+    start: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def of(cls, attention_mask: Tensor) -> Spans:
+        """Check ``attention_mask`` (``row_spans``'s error for a row with holes) and keep its runs."""
+        mask = attention_mask.bool()
+        return cls(mask, *row_spans(mask))
+
+    def take(self, rows: Tensor) -> Spans:
+        """The spans of rows ``rows`` (``long [r]``), in that order."""
+        return Spans(self.mask[rows], self.start[rows], self.lengths[rows])
+
+    def to(self, device: torch.device | str) -> Spans:
+        return Spans(self.mask.to(device), self.start.to(device), self.lengths.to(device))
 
 
 def plan_micro_batches(lengths: Tensor, token_budget: int, *, packed: bool = False) -> list[Tensor]:
@@ -89,9 +112,9 @@ class MicroBatch:
     keep: Tensor  # bool [b, L - 1]: which predicted positions are real tokens
 
 
-def iter_micro_batches(tokens: Tensor, attention_mask: Tensor, token_budget: int, device) -> list[MicroBatch]:
-    """Cut a padded batch into length-sorted, right-padded micro-batches (see module doc)."""
-    start, lengths = row_spans(attention_mask)
+def iter_micro_batches(tokens: Tensor, spans: Spans, token_budget: int, device) -> list[MicroBatch]:
+    """Cut a padded batch (its rows' ``spans``) into length-sorted, right-padded micro-batches (see module doc)."""
+    start, lengths = spans.start, spans.lengths
     width = tokens.shape[-1]
     flat = torch.cat([tokens.reshape(-1), tokens.new_zeros(1)])  # padding reads the appended 0
     out: list[MicroBatch] = []
@@ -228,11 +251,14 @@ def default_chunk_size(head_weight: Tensor) -> int | None:
     return max(16, CPU_HEAD_SCRATCH_BYTES // (head_weight.shape[0] * itemsize))
 
 
-def left_aligned(tokens: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(tokens [B, W], mask bool [B, W], source long [B * W])``: every row moved to column 0 (right
-    padding, ``W`` its longest run) and, for each flat position of that grid, the ``row * T + col``
-    it came from (0 at padding). Rows of one contiguous run each (``row_spans``)."""
-    source, mask = padded_index(*flat_runs(attention_mask), fill_index=0)
+def left_aligned(tokens: Tensor, spans: Spans) -> tuple[Tensor, Tensor, Tensor]:
+    """``(tokens [B, W], mask bool [B, W], source long [B * W])``: every row (its run in ``spans``)
+    moved to column 0 (right padding, ``W`` its longest run) and, for each flat position of that
+    grid, the ``row * T + col`` it came from (0 at padding)."""
+    rows, width = spans.mask.shape
+    first = torch.arange(rows, device=spans.mask.device) * width + spans.start
+    longest = int(spans.lengths.max()) if rows else 0
+    source, mask = padded_index(first, spans.lengths, longest, fill_index=0)
     return tokens.reshape(-1)[source], mask, source.reshape(-1)
 
 

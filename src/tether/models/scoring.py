@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from tether._compat import checkpointed_layers
 from tether.models.packing import packed_kernel, plan_prefix_split, score_packed, score_with_shared_prefix
 from tether.models.records import HeadHidden, ScoredTokens
-from tether.models.score_plan import (  # noqa: F401 (iter_micro_batches, plan_micro_batches, scatter_tokens re-exported)
+from tether.models.score_plan import (  # noqa: F401 (plan_micro_batches, row_spans, scatter_tokens re-exported)
+    Spans,
     TokenSink,
     check_fits_model,
     check_where,
@@ -156,7 +157,32 @@ def score_tokens(
         valid token of each row, at padding and outside ``where``. Differentiable w.r.t. the
         model's parameters when grad mode is on.
     """
-    _check_inputs(model, tokens, attention_mask, token_budget, where)
+    spans = _checked(model, tokens, attention_mask, token_budget, where)
+    return _score_checked(model, tokens, spans, temperature=temperature, chunk_size=chunk_size,
+                          token_budget=token_budget, with_entropy=with_entropy, share_prefix=share_prefix, where=where,
+                          keep_hidden=keep_hidden, kl_to=kl_to, log_probs=log_probs, kl_grad=kl_grad)
+
+
+def _checked(model: nn.Module, tokens: Tensor, attention_mask: Tensor, token_budget: int,
+             where: Tensor | None) -> Spans:
+    """Every check of a scoring call's inputs, once; the rows' spans every pass then reads."""
+    if tokens.shape != attention_mask.shape or tokens.ndim != 2:
+        raise ValueError(
+            f"tokens/attention_mask: expected two [B, T] tensors of the same shape, got "
+            f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}."
+        )
+    whole_number("token_budget", token_budget, low=1, fix="It caps the tokens of one forward pass.")
+    check_token_ids("tokens", tokens)
+    check_where(where, tokens)
+    spans = Spans.of(attention_mask)
+    check_fits_model(model, tokens, spans.mask)
+    return spans
+
+
+def _score_checked(model: nn.Module, tokens: Tensor, spans: Spans, *, temperature: float, chunk_size: int | None,
+                   token_budget: int, with_entropy: bool, share_prefix: bool, where: Tensor | None,
+                   keep_hidden: bool, kl_to: HeadHidden | None, log_probs: bool, kl_grad: bool = False) -> ScoredTokens:
+    """``score_tokens`` on inputs ``_checked`` has passed (``score_tokens`` documents the arguments)."""
     with ExitStack() as stack:
         view = getattr(model, "scoring_view", None)
         if view is not None:  # a model that is scored through another (adapter_disabled(policy))
@@ -170,36 +196,21 @@ def score_tokens(
         sink = TokenSink(parts.head, tuple(tokens.shape), where=where, temperature=temperature, chunk_size=chunk_size,
                          with_entropy=with_entropy, keep_hidden=keep_hidden, kl_to=kl_to, log_probs=log_probs,
                          kl_grad=kl_grad)
-        if not (share_prefix and _score_shared(parts, tokens, attention_mask, token_budget, sink)):
-            _score(parts, tokens, attention_mask, token_budget, sink)
+        if not (share_prefix and _score_shared(parts, tokens, spans, token_budget, sink)):
+            _score(parts, tokens, spans, token_budget, sink)
         return sink.result()
 
 
-def _check_inputs(model: nn.Module, tokens: Tensor, attention_mask: Tensor, token_budget: int,
-                  where: Tensor | None) -> None:
-    if tokens.shape != attention_mask.shape or tokens.ndim != 2:
-        raise ValueError(
-            f"tokens/attention_mask: expected two [B, T] tensors of the same shape, got "
-            f"{tuple(tokens.shape)} and {tuple(attention_mask.shape)}."
-        )
-    whole_number("token_budget", token_budget, low=1, fix="It caps the tokens of one forward pass.")
-    check_token_ids("tokens", tokens)
-    check_where(where, tokens)
-    check_fits_model(model, tokens, attention_mask)
-
-
-def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int,
-                  sink: TokenSink) -> bool:
+def _score_shared(parts: CausalLMParts, tokens: Tensor, spans: Spans, token_budget: int, sink: TokenSink) -> bool:
     """Score through the shared-prefix split; False (nothing scored) when it does not apply."""
     if parts.decoder is None:
         return False
     if torch.is_grad_enabled() and checkpointed_layers(parts.decoder):
         # A checkpointed layer drops the KV cache the suffixes would be scored on.
         return False
-    row_spans(attention_mask)  # same contiguity contract (and error) as plain scoring
     # Planned on rows moved to column 0: a left-padded batch shifts each copy of a group's prompt by
     # its own answer's padding, and a cut is one column for all rows.
-    aligned, mask, source = left_aligned(tokens, attention_mask)
+    aligned, mask, source = left_aligned(tokens, spans)
     split = plan_prefix_split(aligned, mask)
     if split is None:
         return False
@@ -207,15 +218,15 @@ def _score_shared(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, 
         return score_with_shared_prefix(parts.decoder, aligned, mask, split, token_budget=token_budget, sink=sink)
 
 
-def _score(parts: CausalLMParts, tokens: Tensor, attention_mask: Tensor, token_budget: int, sink: TokenSink) -> None:
+def _score(parts: CausalLMParts, tokens: Tensor, spans: Spans, token_budget: int, sink: TokenSink) -> None:
     kernel = None if parts.decoder is None else packed_kernel(parts.model)
     if kernel is not None and not (
         torch.is_grad_enabled() and checkpointed_layers(parts.decoder)  # a re-run forward would attend across rows
     ):
-        score_packed(parts.decoder, kernel, tokens, attention_mask, sink, token_budget)
+        score_packed(parts.decoder, kernel, tokens, spans, sink, token_budget)
         return
     device = parts.head.weight.device
-    for mb in iter_micro_batches(tokens, attention_mask, token_budget, device):
+    for mb in iter_micro_batches(tokens, spans, token_budget, device):
         labels = mb.ids[:, 1:]
         if parts.decoder is not None:
             hidden = parts.decoder(input_ids=mb.ids, attention_mask=mb.valid.long(), use_cache=False).last_hidden_state
@@ -247,12 +258,12 @@ def exact_kl_tokens(
     those positions (0 elsewhere). Two scoring passes: the reference's keeps its hidden
     states at ``where``, the model's compares its own with them (``score_tokens(kl_to=)``).
     """
-    mask = attention_mask.bool()
-    check_where(where, tokens)
-    scored = mask.clone()
-    scored[torch.arange(mask.shape[0]), row_spans(mask)[0]] = False  # a row's first token has no prediction
+    spans = _checked(model, tokens, attention_mask, token_budget, where)
+    check_fits_model(reference, tokens, spans.mask)
+    scored = spans.mask.clone()
+    scored[torch.arange(scored.shape[0]), spans.start] = False  # a row's first token has no prediction
     where = scored if where is None else where & scored
-    common = {"temperature": temperature, "chunk_size": chunk_size, "token_budget": token_budget, "where": where}
-    check_fits_model(model, tokens, attention_mask)
-    ref = score_tokens(reference, tokens, attention_mask, keep_hidden=True, **common)
-    return score_tokens(model, tokens, attention_mask, kl_to=ref.hidden, **common).exact_kl
+    common = {"temperature": temperature, "chunk_size": chunk_size, "token_budget": token_budget, "where": where,
+              "with_entropy": False, "share_prefix": False}
+    ref = _score_checked(reference, tokens, spans, keep_hidden=True, kl_to=None, log_probs=True, **common)
+    return _score_checked(model, tokens, spans, keep_hidden=False, kl_to=ref.hidden, log_probs=False, **common).exact_kl

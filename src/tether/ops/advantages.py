@@ -26,49 +26,27 @@ from torch import Tensor
 from tether.ops.checks import lookup, real_number
 
 
-def _power_of_two_scale(magnitude: Tensor) -> Tensor:
-    """``2^e`` with ``scale <= magnitude < 2 * scale``; 1 where magnitude is 0 or not finite. Rewards
-    divided by it (exactly: a power of two) keep their group sums and squares inside the dtype.
-
-    Args:
-        magnitude: ``[...]`` non-negative largest absolute values.
-
-    Returns:
-        ``[...]`` powers of two in the dtype of ``magnitude``, detached.
-    """
-    magnitude = magnitude.detach()
-    _, exponent = torch.frexp(magnitude)
-    scale = torch.ldexp(torch.ones_like(magnitude), exponent - 1)
-    usable = torch.isfinite(magnitude) & (magnitude > 0)
-    return torch.where(usable, scale, torch.ones_like(magnitude))
-
-
 @dataclass(frozen=True)
 class _GroupStats:
-    """Per-sample views of its group's statistics, all ``[N]``."""
+    """Per-sample views of its group's statistics, all ``[N]`` float64."""
 
-    centred: Tensor  # reward minus the group mean, divided by ``scale``
+    centred: Tensor  # reward minus the group mean
     count: Tensor  # group size
-    spread: Tensor  # group standard deviation (ddof from ``std``), divided by ``scale``
-    scale: Tensor  # the group's power of two, so that |reward / scale| < 2
+    spread: Tensor  # group standard deviation (ddof from ``std``)
 
 
 def _grpo(stats: _GroupStats, eps: float) -> Tensor:
-    # Both forms are (r - mean) / (std + eps); each is the one that cannot overflow:
-    # eps / scale is tiny for large rewards, centred * scale is tiny for small ones.
-    large = stats.centred / (stats.spread + eps / stats.scale)
-    small = stats.centred * stats.scale / (stats.spread * stats.scale + eps)
-    return torch.where(stats.scale >= 1, large, small)
+    return stats.centred / (stats.spread + eps)
 
 
 def _dr_grpo(stats: _GroupStats, eps: float) -> Tensor:
-    return stats.centred * stats.scale
+    return stats.centred
 
 
 def _rloo(stats: _GroupStats, eps: float) -> Tensor:
     # r_i - mean of the others = n / (n - 1) * (r_i - group mean).
     n = stats.count.to(stats.centred.dtype)
-    return stats.centred * n / (n - 1) * stats.scale
+    return stats.centred * n / (n - 1)
 
 
 ADVANTAGE_MODES: dict[str, Callable[[_GroupStats, float], Tensor]] = {
@@ -167,36 +145,38 @@ def group_advantages(
     counts = torch.zeros(groups, dtype=torch.long, device=flat.device).index_add_(0, index, torch.ones_like(index))
     if mode == "rloo":
         _check_rloo_sizes(counts, labels)
-    low = torch.zeros(groups, dtype=flat.dtype, device=flat.device).scatter_reduce(0, index, flat, "amin", include_self=False)
-    high = torch.zeros_like(low).scatter_reduce(0, index, flat, "amax", include_self=False)
-    scale = _power_of_two_scale(torch.maximum(low.abs(), high.abs()))[index]
-    unit = flat / scale
-    sums = torch.zeros_like(low).index_add(0, index, unit)
-    centred = unit - (sums / counts.clamp_min(1))[index]
+    # In float64 a group's sum and squares of any float32 / bf16 rewards fit (|r| <= 3.4e38, so
+    # r**2 <= 1.2e77), so nothing is rescaled; the advantages go back to the rewards' dtype.
+    wide = flat.to(torch.float64)
+    low = wide.new_zeros(groups).scatter_reduce(0, index, wide, "amin", include_self=False)
+    high = torch.zeros_like(low).scatter_reduce(0, index, wide, "amax", include_self=False)
+    sums = torch.zeros_like(low).index_add(0, index, wide)
+    centred = wide - (sums / counts.clamp_min(1))[index]
     squares = torch.zeros_like(sums).index_add(0, index, centred.square())
     spread = (squares / (counts - ddof).clamp_min(1)).sqrt()
 
-    stats = _GroupStats(centred=centred, count=counts[index], spread=spread[index], scale=scale)
-    result = advantage(stats, eps)
+    result = advantage(_GroupStats(centred=centred, count=counts[index], spread=spread[index]), eps)
     constant = (low == high)[index]
-    result = torch.where(constant, torch.zeros_like(result), result)
-    _check_representable(result, flat, mode)
+    result = torch.where(constant, torch.zeros_like(result), result).to(flat.dtype)
+    _check_representable(result, spread, flat, mode)
     return result.reshape(rewards.shape)
 
 
-def _check_representable(result: Tensor, rewards: Tensor, mode: str) -> None:
-    # One host read per batch of rewards: an advantage that does not fit the dtype
-    # (dr_grpo / rloo on rewards near its limit) must not reach the loss as inf.
-    if bool(torch.isfinite(result).all()):
+def _check_representable(result: Tensor, spread: Tensor, rewards: Tensor, mode: str) -> None:
+    # One host read per batch of rewards: an advantage that does not fit the dtype (dr_grpo / rloo on
+    # float32 rewards near its limit) must not reach the loss as inf, nor a spread that overflowed
+    # float64 (rewards past ~1e154) turn grpo's advantages into zeros.
+    if bool((torch.isfinite(result).all() & torch.isfinite(spread).all())):
         return
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError(
             "rewards must be finite; got NaN or inf. Fix the reward function, or replace "
             "failed rewards by a number before computing advantages."
         )
+    fix = "rescale the rewards" + (" or pass them as float64" if rewards.dtype != torch.float64 else "")
     raise ValueError(
         f"mode={mode!r}: an advantage does not fit in {rewards.dtype} (rewards up to "
-        f"{float(rewards.abs().max()):.3g}); rescale the rewards or pass them as float64."
+        f"{float(rewards.abs().max()):.3g}); {fix}."
     )
 
 
