@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.train.test_recipe import _metrics, _weights, interrupted_train, tiny_cfg
 from tests.train.test_run_dir import assert_same_weights, one_error_line, save_tiny, snapshot
-from tether.train.checkpoint import RunDirError, read_run_config
+from tether.train.run_dir import RunDirError, read_run_config
 from tether.train.cli import main
 from tether.train.recipe import train
 from tether.train.run_state import RestartNote

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from tests.train.test_recipe import HERE, _metrics, tiny_cfg
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
-from tether.train.checkpoint import CheckpointError, CheckpointFallbackWarning, RunDirError, read_run_config
+from tether.train.checkpoint import CheckpointError, CheckpointFallbackWarning
+from tether.train.run_dir import RunDirError, read_run_config
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.recipe import RewardError, train

@@ -152,7 +152,7 @@ def _parse_overrides(words: list[str]) -> dict[str, str]:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    from tether.train.checkpoint import check_resume_overrides, read_run_config
+    from tether.train.run_dir import check_resume_overrides, read_run_config
 
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     flags.update({name: ",".join(flags[name]) for name in LIST_FIELDS if name in flags})
@@ -288,7 +288,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
+    from tether.train.checkpoint import open_checkpoint
+    from tether.train.run_dir import RESUMABLE_KEYS, best_root, read_run_config
     from tether.train.metrics import evaluate
     from tether.train.run import build_run
 
@@ -499,7 +500,8 @@ def interruption_line(cfg: TrainConfig | None, *, copied: bool) -> str:
     """The one line for a run stopped by Ctrl-C: its newest intact checkpoint and how to go on."""
     if cfg is None:
         return "tether train: interrupted before the run started; nothing was written."
-    from tether.train.checkpoint import CheckpointError, checkpoint_dirs, newest_intact, read_state
+    from tether.train.checkpoint import CheckpointError, newest_intact, read_state
+    from tether.train.run_files import checkpoint_dirs
 
     run_dir = Path(cfg.out)
     try:

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
+from tether.train.checkpoint import open_checkpoint
+from tether.train.run_dir import RESUMABLE_KEYS, best_root, read_run_config
 from tether.train.run import build_models
 
 EXPORT_RECORD = "tether_export.json"

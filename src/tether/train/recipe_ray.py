@@ -39,7 +39,7 @@ from tether.ray import (
 from tether.train import recipe
 from tether.train.config import TrainConfig
 from tether.train.recipe_sharded import sharded_rollout, writer_rollout
-from tether.train.checkpoint import describe_checkpoints
+from tether.train.run_files import describe_checkpoints
 from tether.train.run import Run, build_models, build_run, reference_scorer
 from tether.train.run_state import RunStopped
 from tether.train.tasks import Problem, ToolUse

@@ -37,9 +37,9 @@ from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
 from tether.ops.checks import lookup
-from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, clear_run_dir,
-                                     newest_intact, open_checkpoint, periodic_eval, read_state, save_checkpoint,
-                                     write_config, write_run_start)
+from tether.train.checkpoint import checkpoint_record, newest_intact, open_checkpoint, read_state, save_checkpoint
+from tether.train.periodic_eval import BestEval, periodic_eval
+from tether.train.run_dir import best_root, check_new_run_dir, clear_run_dir, write_config, write_run_start
 from tether.train.config import TrainConfig
 from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, plot_metrics, summarize
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
