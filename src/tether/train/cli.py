@@ -340,7 +340,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from tether.train.metrics import plot_metrics
+    from tether.train.plots import plot_metrics
 
     try:
         paths = plot_metrics(Path(args.run_dir))

@@ -41,7 +41,8 @@ from tether.train.checkpoint import checkpoint_record, newest_intact, open_check
 from tether.train.periodic_eval import BestEval, periodic_eval
 from tether.train.run_dir import best_root, check_new_run_dir, clear_run_dir, write_config, write_run_start
 from tether.train.config import TrainConfig
-from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, plot_metrics, summarize
+from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, summarize
+from tether.train.plots import plot_metrics
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.run_state import restarts
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
