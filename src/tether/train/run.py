@@ -47,8 +47,8 @@ from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, bui
 from tether.train.run_state import restarts
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
-from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
-                                load_task, with_episode_limits)
+from tether.train.data import check_data, check_prompt_format, dataset_task
+from tether.train.tasks import IN_MEMORY, Problem, load_task, with_episode_limits
 from tether.train.updates import make_lr_scheduler
 
 
@@ -66,7 +66,7 @@ class Run:
 
     cfg: TrainConfig
     dir: Path
-    task: Any  # a tether.train.tasks.Task, or a tether.train.tasks.DatasetTask with --dataset
+    task: Any  # a tether.train.tasks.Task, or a tether.train.data.DatasetTask with --dataset
     held_out: list[Problem]
     models: Models
     sampler: TransformersWrapper
