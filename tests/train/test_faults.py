@@ -74,7 +74,7 @@ def test_a_restart_keeps_the_saved_config_and_refuses_other_values(tmp_path):
 def test_ctrl_c_before_the_first_checkpoint_names_the_resume_that_restarts(tmp_path):
     """The Ctrl-C line of a run with config.yaml and no checkpoint names --resume (which now starts
     it again) instead of --overwrite (which would throw its config away)."""
-    from tether.train.cli import interruption_line
+    from tether.train.interrupt import interruption_line
 
     run = tmp_path / "run"
     interrupted_train(tiny_cfg(run, steps=2, checkpoint_every=0), 1)

@@ -369,7 +369,7 @@ def test_a_ctrl_c_inside_a_finaliser_reaches_the_run_with_nothing_printed():
         # A background job (CI started with &) has SIGINT ignored, which interrupt_main honours;
         # a terminal's process has Python's default handler.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from tether.train.cli import interrupts_reach_the_run
+        from tether.train.interrupt import interrupts_reach_the_run
         hook = sys.unraisablehook
         class Dies:
             def __del__(self):

@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from tether.control import KLController, make_kl_controller
 from tether.control.budget import ReferenceLine
 from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
+from tether.models.records import StepRecord
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
 from tether.ops.checks import lookup
 from tether.train.checkpoint import checkpoint_record, newest_intact, open_checkpoint, read_state, save_checkpoint
@@ -88,6 +89,10 @@ class Run:
 
     def __post_init__(self) -> None:
         self.excluded = frozenset(p.key for p in self.held_out)
+
+
+# A rollout stage: the step's records of a rank's problems (the recipe's ``sample``, or another topology's).
+Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
 
 def _controller(cfg: TrainConfig, leash: Leash) -> Any:
