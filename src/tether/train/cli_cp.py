@@ -15,6 +15,8 @@ from tether.train.reporting import USER_ERRORS, fail
 
 # The recipes ``tether cp`` copies: name -> module of tether.train.
 RECIPES = {"recipe": "recipe", "recipe_ray": "recipe_ray"}
+# What a copy needs on its command line besides the train flags: the Ray recipe samples on workers.
+_NEEDS = {"recipe_ray": " --workers N"}
 
 
 def add_parser(sub) -> None:
@@ -35,5 +37,6 @@ def run(args: argparse.Namespace) -> int:
         shutil.copyfile(source, dest)
     except USER_ERRORS as exc:
         return fail("cp", exc)
-    print(f"tether cp: wrote {dest} (from tether.train.{RECIPES[args.recipe]}); run it with: python {dest} [tether train flags]")
+    print(f"tether cp: wrote {dest} (from tether.train.{RECIPES[args.recipe]}); run it with: "
+          f"python {dest}{_NEEDS.get(args.recipe, '')} [tether train flags]")
     return 0
