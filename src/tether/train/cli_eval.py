@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tether.train.config import TrainConfig
 from tether.train.reporting import USER_ERRORS, fail
+from tether.train.run_dir import RESUMABLE_KEYS, best_root, read_run_config
 from tether.train.tasks import TASKS
 
 
@@ -35,7 +36,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from tether.train.checkpoint import open_checkpoint
-    from tether.train.run_dir import RESUMABLE_KEYS, best_root, read_run_config
     from tether.train.metrics import evaluate
     from tether.train.run import build_run
 
