@@ -17,6 +17,7 @@ from typing import Callable
 
 from tether.train import cli_cp, cli_eval, cli_export, cli_plot, cli_train
 from tether.train.flags import Parser
+from tether.train.launch import launch  # noqa: F401  (docs/design.md names it tether.train.cli.launch)
 from tether.train.reporting import tether_warnings
 
 SUBCOMMANDS = ("train", "eval", "export", "plot", "cp")
