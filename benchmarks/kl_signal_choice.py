@@ -18,7 +18,8 @@ import statistics
 
 import torch
 
-from tether.train.checkpoint import RESUMABLE_KEYS, open_checkpoint, read_run_config
+from tether.train.checkpoint import open_checkpoint
+from tether.train.run_dir import RESUMABLE_KEYS, read_run_config
 from tether.train.recipe import add_reference, sample, step_problems
 from tether.train.run import build_run
 from tether.train.updates import answer_kl

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import _results
 from tether.train.config import TrainConfig
-from tether.train.metrics import TARGET_BAND
+from tether.train.plots import TARGET_BAND
 from tether.train.recipe import train
 
 # What each run's record keeps of a step's metrics.

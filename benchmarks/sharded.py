@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def measure(args: argparse.Namespace, ranks: int) -> dict:
     """Run the workload on ``ranks`` processes; the logged step times and each rank's memory."""
-    from tether.train.cli import free_port
+    from tether.train.launch import free_port
 
     with tempfile.TemporaryDirectory() as folder:
         report, out = os.path.join(folder, "ranks.jsonl"), os.path.join(folder, "run")

@@ -339,7 +339,7 @@ def plot_default_run(path: Path) -> None:
 
     import yaml
 
-    from tether.train.metrics import plot_metrics
+    from tether.train.plots import plot_metrics
 
     runs = [r for r in _newest(_results.read("default_run")) if r["seed"] == 0]
     if not runs:

@@ -99,3 +99,24 @@ def test_cli_train_with_an_unreachable_ray_address_fails_with_the_reason(tmp_pat
     assert "ray start --head" in done.stderr
     assert not marked_pids(mark)
     assert not list((tmp_path / "cli").glob("checkpoints/*"))
+
+
+def test_a_copied_ray_recipe_runs_as_printed(tmp_path, capsys):
+    """``tether cp recipe_ray FILE`` prints ``python FILE --workers N [tether train flags]``; run
+    so, the copy trains one step on one worker, and the copy is what ran: its note on the
+    sampled KL (``SampledKLNote``, changed in the copy) is the one printed."""
+    from tether.train.cli import main
+
+    dest = tmp_path / "my_ray.py"
+    assert main(["cp", "recipe_ray", str(dest)]) == 0
+    assert f"python {dest} --workers N [tether train flags]" in capsys.readouterr().out
+    source, note = dest.read_text(), '"kl_signal=exact: the Ray ReferenceService'
+    assert source.count(note) == 1
+    dest.write_text(source.replace(note, '"my copy: kl_signal=exact: the Ray ReferenceService'))
+    cfg = tiny_cfg(tmp_path / "run", steps=1, workers=1, checkpoint_every=0)
+    done = subprocess.run([sys.executable, str(dest), "--quiet", *overrides(cfg)], capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr
+    assert "SampledKLNote: my copy: kl_signal=exact" in done.stderr
+    [record] = MetricsLog(tmp_path / "run" / "metrics.jsonl").read()
+    assert record["step"] == 1 and record["kl_signal"] == "sampled"

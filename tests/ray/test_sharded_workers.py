@@ -18,7 +18,7 @@ import pytest
 from tests.train.test_recipe import _metrics
 from tests.train.test_sharded import SRC, _assert_same_run, _flags, _sharded
 from tether.train import recipe_ray
-from tether.train.cli import free_port
+from tether.train.launch import free_port
 from tether.train.config import TrainConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_cluster")]

@@ -223,7 +223,7 @@ def test_help_shows_every_choice_fields_names(capsys):
 
 WARNING_SCRIPT = """
 import warnings
-from tether.train import cli
+from tether.train import cli, cli_plot
 from tether.integrations.trl import TRLNameNote
 
 def fake_plot(args):
@@ -234,7 +234,7 @@ def fake_plot(args):
     warnings.warn("TRL's beta=0.1 read as kl_coef=0.1", TRLNameNote)
     return 0
 
-cli.cmd_plot = fake_plot
+cli_plot.run = fake_plot
 raise SystemExit(cli.main(["plot", "anything"]))
 """
 

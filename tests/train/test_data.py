@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import unloadable_model
 from tests.train.test_recipe import _metrics, interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
-from tether.train.tasks import check_data, dataset_task, read_rows, rows_to_problems, split_rows
+from tether.train.data import check_data, dataset_task, read_rows, rows_to_problems, split_rows
 from tether.train.recipe import train
 
 ROWS = [{"prompt": f"say {i}", "answer": f"a{i}", "level": i % 3} for i in range(10)]

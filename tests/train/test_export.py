@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.train.test_recipe import tiny_cfg
 from tether.models import TransformersWrapper
-from tether.train.checkpoint import read_run_config
+from tether.train.run_dir import read_run_config
 from tether.train.cli import main
 from tether.train.export import export_run
 from tether.train.recipe import train
@@ -126,7 +126,8 @@ def test_export_of_the_embedded_gguf_model_is_a_plain_hf_directory(tmp_path):
     merged model and its adapter agree to ~3e-5 there whatever the export does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tether.train.checkpoint import checkpoint_record, save_checkpoint, start_new_run
+    from tether.train.checkpoint import checkpoint_record, save_checkpoint
+    from tether.train.run_dir import start_new_run
     from tether.train.config import TrainConfig
 
     run, out = tmp_path / "run", tmp_path / "out"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.train.test_recipe import _metrics, _weights, interrupted_train, tiny_cfg
 from tests.train.test_run_dir import assert_same_weights, one_error_line, save_tiny, snapshot
-from tether.train.checkpoint import RunDirError, read_run_config
+from tether.train.run_dir import RunDirError, read_run_config
 from tether.train.cli import main
 from tether.train.recipe import train
 from tether.train.run_state import RestartNote
@@ -74,7 +74,7 @@ def test_a_restart_keeps_the_saved_config_and_refuses_other_values(tmp_path):
 def test_ctrl_c_before_the_first_checkpoint_names_the_resume_that_restarts(tmp_path):
     """The Ctrl-C line of a run with config.yaml and no checkpoint names --resume (which now starts
     it again) instead of --overwrite (which would throw its config away)."""
-    from tether.train.cli import interruption_line
+    from tether.train.interrupt import interruption_line
 
     run = tmp_path / "run"
     interrupted_train(tiny_cfg(run, steps=2, checkpoint_every=0), 1)

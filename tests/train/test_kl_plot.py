@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from tether.train.metrics import _draw_kl_guides  # noqa: E402
+from tether.train.plots import _draw_kl_guides  # noqa: E402
 
 
 def _guides(config: dict) -> tuple[list[tuple[float, float]], dict[str, float]]:

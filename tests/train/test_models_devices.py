@@ -300,7 +300,7 @@ def test_eval_refuses_a_pickled_model_in_one_line_without_reading_it(tmp_path, c
 
     from tests.train.test_run_dir import one_error_line
     from tether.train.cli import main
-    from tether.train.checkpoint import start_new_run
+    from tether.train.run_dir import start_new_run
 
     model, tokenizer = _tiny_base()
     directory = tmp_path / "model"

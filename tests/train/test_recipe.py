@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tether.train.config import TrainConfig
-from tether.train.metrics import PLOTTED, curve_data, plot_metrics, plotted_panels
+from tether.train.plots import PLOTTED, curve_data, plot_metrics, plotted_panels
 from tether.train import recipe
 from tether.train.recipe import (RewardError, accumulate_gradients, add_advantages, add_reference, build_run, sample,
                                  add_rewards, step_problems, train)

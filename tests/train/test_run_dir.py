@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from tests.train.test_recipe import HERE, _metrics, tiny_cfg
 from tether.models.tiny import byte_tokenizer, tiny_causal_lm
-from tether.train.checkpoint import CheckpointError, CheckpointFallbackWarning, RunDirError, read_run_config
+from tether.train.checkpoint import CheckpointError, CheckpointFallbackWarning
+from tether.train.run_dir import RunDirError, read_run_config
 from tether.train.cli import main
 from tether.train.config import TrainConfig
 from tether.train.recipe import RewardError, train
@@ -368,7 +369,7 @@ def test_a_ctrl_c_inside_a_finaliser_reaches_the_run_with_nothing_printed():
         # A background job (CI started with &) has SIGINT ignored, which interrupt_main honours;
         # a terminal's process has Python's default handler.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from tether.train.cli import interrupts_reach_the_run
+        from tether.train.interrupt import interrupts_reach_the_run
         hook = sys.unraisablehook
         class Dies:
             def __del__(self):

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from tests.train.test_recipe import _metrics, _weights
-from tether.train.cli import free_port, main, settle_nproc, torchrun_command
+from tether.train.cli import main
+from tether.train.launch import free_port, settle_nproc, torchrun_command
 from tether.train.config import TrainConfig
 from tether.train.recipe import sample, train
 from tether.train.sharding import Ranks, config_problems

@@ -11,7 +11,8 @@ import pytest
 from tests.train.test_recipe import interrupted_train, tiny_cfg
 from tether.train.config import TrainConfig
 from tether.integrations.trackers import completions_markdown
-from tether.train.metrics import COMPLETIONS_FILE, PLOTTED, constant_panels, plotted_panels
+from tether.train.metrics import COMPLETIONS_FILE
+from tether.train.plots import PLOTTED, constant_panels, plotted_panels
 from tether.train.recipe import train
 
 

@@ -49,7 +49,7 @@ def _import_torchrl() -> tuple[type, type]:
 @functools.lru_cache(maxsize=1)
 def _env_transform_class() -> type:
     """Builds the TorchRL ``Transform`` subclass once TorchRL is importable (one class per process)."""
-    Transform, Unbounded = _import_torchrl()
+    Transform, _ = _import_torchrl()
 
     class KLRewardEnvTransform(Transform):
         """TorchRL ``Transform`` adapter around a :class:`tether.transforms.KLRewardTransform`."""
@@ -88,25 +88,31 @@ def _env_transform_class() -> type:
             return tensordict_reset
 
         def transform_output_spec(self, output_spec):
-            reward_key = self.kl_transform.reward_key
-            reward_spec = output_spec["full_reward_spec"].get(reward_key, None)
-            if reward_spec is None:
-                raise KeyError(
-                    f"in_keys {reward_key!r} of the KL transform is not a reward of the "
-                    f"environment; its rewards are "
-                    f"{list(output_spec['full_reward_spec'].keys(True, True))}. Pass one of "
-                    f"them as in_keys."
-                )
-            unbounded = Unbounded(
-                shape=reward_spec.shape, device=reward_spec.device, dtype=reward_spec.dtype
-            )
-            if self.kl_transform.out_key == reward_key:
-                output_spec["full_reward_spec"][reward_key] = unbounded
-            for key in self._new_keys():
-                output_spec["full_observation_spec"][key] = unbounded.clone()
-            return output_spec
+            return _kl_output_spec(self.kl_transform, self._new_keys(), output_spec)
 
     return KLRewardEnvTransform
+
+
+def _kl_output_spec(kl_transform: Any, new_keys: list, output_spec: Any) -> Any:
+    """The env's output spec with the KL transform's reward made unbounded and its new keys as observations."""
+    _, Unbounded = _import_torchrl()
+    reward_key = kl_transform.reward_key
+    reward_spec = output_spec["full_reward_spec"].get(reward_key, None)
+    if reward_spec is None:
+        raise KeyError(
+            f"in_keys {reward_key!r} of the KL transform is not a reward of the "
+            f"environment; its rewards are "
+            f"{list(output_spec['full_reward_spec'].keys(True, True))}. Pass one of "
+            f"them as in_keys."
+        )
+    unbounded = Unbounded(
+        shape=reward_spec.shape, device=reward_spec.device, dtype=reward_spec.dtype
+    )
+    if kl_transform.out_key == reward_key:
+        output_spec["full_reward_spec"][reward_key] = unbounded
+    for key in new_keys:
+        output_spec["full_observation_spec"][key] = unbounded.clone()
+    return output_spec
 
 
 def as_env_transform(transform: Any) -> Any:

@@ -9,12 +9,10 @@ are kept and ``newest_intact`` picks the newest the manifest vouches for. Nothin
 sharded learner writes the same files (rank 0 writes the gathered tensors); a resume on another
 world size is refused (the sums would round differently).
 
-A new run refuses a directory that is not empty unless ``overwrite`` is set, and then removes
-only the files a run writes (``RUN_FILES``). A resume may change only ``RESUMABLE_KEYS``; every
-other config value, and the fingerprint of the base model and tokenizer, must equal what the
-checkpoint recorded. Every ``eval_every`` steps a new best held-out accuracy keeps its step's full
-checkpoint in ``RUN/best/checkpoints/``, which ``tether eval RUN --best`` and ``tether export RUN
-OUT --best`` load.
+A checkpoint records the run's config and the fingerprint of its base model and tokenizer
+(``checkpoint_record``); loading one checks both against the run (``check_record``): what a
+resume may change is ``tether.train.run_dir``'s rule. A damaged newest checkpoint is skipped
+with a warning, and set aside on resume.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -38,11 +35,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tether._compat import disk_full
 from tether.models.weights import load_named
 from tether.train.config import TrainConfig
+from tether.train.run_dir import NOT_COMPARED, RESUMABLE_KEYS, changed_keys
+from tether.train.run_files import checkpoint_dirs
 from tether.train.sharding import is_writer
 
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step_(\d+)")
 _STATE_KEYS = ("step", "optimizer", "data_cursor", "controller")
 
 
@@ -180,13 +178,6 @@ def _file_entry(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """The run's checkpoint directories, newest step first (damaged ones included)."""
-    root = run_dir / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
 def verify_checkpoint(path: Path) -> None:
     """Raise ``CheckpointError`` naming the file of ``path`` that is missing, truncated or edited."""
     try:
@@ -273,130 +264,13 @@ def _check_fits(file: Path, saved: dict[str, torch.Tensor], model: dict[str, tor
         )
 
 
-# ------------------------------------------------------------------------------ the run directory
-# A new run checks its ``out`` before anything is loaded or written; with ``overwrite`` it removes the
-# old run's files once the new run has validated its config and built its models, so an old checkpoint
-# is never left beside a new ``config.yaml``. A resume loads the newest checkpoint that verifies
-# against its manifest, says which newer ones it skipped and why, and moves those aside
-# (``step_N.damaged``) rather than deleting them.
-
-# Config keys a resume may change: how long the run goes on and how it is saved, not what it computes.
-RESUMABLE_KEYS = ("steps", "checkpoint_every", "keep_checkpoints", "threads")
-_NOT_COMPARED = ("out", "overwrite")  # where the run lives and how it was started, not what it is
-_START_LEFTOVERS = (".config.yaml.tmp",)
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "plots", "checkpoints", "best", "completions.jsonl",
-             "tensorboard")
-
-
-class RunDirError(ValueError):
-    """The run directory cannot be used as asked (holds another run, or a resume changes it)."""
-
-
 class CheckpointFallbackWarning(UserWarning):
     """The newest checkpoint was damaged; an older intact one was used instead."""
 
 
-# ------------------------------------------------------------------------------ new runs
-def check_new_run_dir(cfg: TrainConfig) -> None:
-    """Refuse an ``out`` that is a file, or a directory that is not empty without ``overwrite``."""
-    run_dir = Path(cfg.out)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"out: {run_dir} is a file, expected a run directory; choose another --out.")
-    # what a process killed while starting the run left half-written holds nothing of a run
-    entries = sorted(p.name for p in run_dir.iterdir() if p.name not in _START_LEFTOVERS) if run_dir.is_dir() else []
-    if entries and not cfg.overwrite:
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise RunDirError(
-            f"out: {run_dir} is not empty ({shown}); a new run does not write into it. Continue that run "
-            f"with --resume {run_dir}, replace it with --overwrite, or choose another --out."
-        )
-
-
-def start_new_run(cfg: TrainConfig, *, restart: bool = False) -> None:
-    """``clear_run_dir`` then ``write_run_start``: the new run's config and empty log."""
-    clear_run_dir(cfg, restart=restart)
-    write_run_start(cfg)
-
-
-def clear_run_dir(cfg: TrainConfig, *, restart: bool = False) -> None:
-    """Remove the old run's files (with ``overwrite``); ``restart``: the run's own files written
-    before its first checkpoint, keeping its config.yaml (the trackers open before it is rewritten)."""
-    run_dir = Path(cfg.out)
-    if not restart:
-        check_new_run_dir(cfg)  # again: the directory may have changed while the models loaded
-    for name in (*RUN_FILES, *_START_LEFTOVERS, ".summary.json.tmp"):
-        path = run_dir / name
-        if restart and name == "config.yaml":
-            continue
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
-def write_run_start(cfg: TrainConfig) -> None:
-    """The new run's config.yaml and empty metrics.jsonl."""
-    run_dir = Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(run_dir, cfg)
-    (run_dir / "metrics.jsonl").write_text("")
-
-
-def write_config(run_dir: Path, cfg: TrainConfig) -> None:
-    """``config.yaml``, replaced atomically; ``overwrite`` is an action, not part of the run."""
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(dataclasses.replace(cfg, overwrite=False).to_yaml())
-    os.replace(tmp, run_dir / "config.yaml")
-
-
-def read_run_config(run_dir: Path) -> TrainConfig:
-    """The ``config.yaml`` of an existing run, with ``out`` pointing at where the run is now."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise RunDirError(f"{path}: not found; {run_dir} is not a tether run directory.")
-    return TrainConfig.from_yaml(path).override({"out": str(run_dir)})
-
-
-def describe_checkpoints(run_dir: Path) -> str:
-    """A true sentence about what a failed run leaves behind to resume from."""
-    steps = [int(p.name.split("_")[1]) for p in checkpoint_dirs(Path(run_dir))]
-    if not steps and not (Path(run_dir) / "config.yaml").is_file():
-        return f"{run_dir} holds no checkpoint of this run (start it again with --overwrite)."
-    if not steps:
-        return (f"{run_dir} holds no checkpoint of this run; tether train --resume {run_dir} starts it again from "
-                "step 0 with its config.yaml (or start over with --overwrite).")
-    return (f"{run_dir} holds the checkpoints of steps {', '.join(map(str, steps))}; continue with "
-            f"tether train --resume {run_dir}.")
-
-
-# ------------------------------------------------------------------------------ resume
-def changed_keys(recorded: dict[str, Any], cfg: TrainConfig, allowed: tuple[str, ...]) -> list[str]:
-    """``key (recorded -> now)`` for each config value that differs and may not."""
-    names = set(TrainConfig.field_names())
-    out = []
-    for key, old in recorded.items():
-        if key in names and key not in allowed and key not in _NOT_COMPARED and getattr(cfg, key) != old:
-            out.append(f"{key} ({old!r} -> {getattr(cfg, key)!r})")
-    return out
-
-
-def check_resume_overrides(stored: TrainConfig, cfg: TrainConfig) -> None:
-    """The CLI's flags and overrides on ``--resume`` change only ``RESUMABLE_KEYS``."""
-    changed = changed_keys(dataclasses.asdict(stored), cfg, RESUMABLE_KEYS)
-    if changed:
-        raise RunDirError(
-            f"--resume {stored.out}: cannot change {', '.join(changed)}; a resume may change only "
-            f"{', '.join(RESUMABLE_KEYS)}. Start a new run with another --out to change the others."
-            + (" A sharded run resumes on as many processes as it trained on: another split adds its sums in "
-               "another order, so the run would not continue bit-exactly." if stored.nproc != cfg.nproc else "")
-        )
-    if cfg.overwrite:
-        raise RunDirError(f"--resume {stored.out} and --overwrite contradict each other; give one of them.")
-
-
 def checkpoint_record(cfg: TrainConfig, fingerprint: dict[str, str]) -> dict[str, Any]:
     """What a checkpoint records about its run: the config and the base it was trained on."""
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_COMPARED}
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_COMPARED}
     return {"config": config, "base": {"model": cfg.model, **fingerprint}}
 
 
@@ -450,67 +324,3 @@ def open_checkpoint(cfg: TrainConfig, models: Any, optimizer: torch.optim.Optimi
             os.replace(newer, target)
     return load_checkpoint(path, policy=models.policy, optimizer=optimizer,
                            reference=models.movable_reference)
-
-
-# ------------------------------------------------------------------------------ the best checkpoint
-# The periodic evaluation scores the policy greedily on the held-out set and logs ``eval_accuracy``
-# in that step's metrics. A new best (ties keep the earlier step) writes the step's full checkpoint
-# to ``RUN/best/checkpoints/step_NNNNNN/``, in the format and with the manifest of ``RUN/checkpoints/``
-# (only one is kept). The best so far is part of every regular checkpoint's state, so a resumed run
-# keeps comparing against it.
-
-BEST_DIR = "best"
-
-
-@dataclass
-class BestEval:
-    """The step and held-out accuracy of the best periodic evaluation so far (``None``: none yet)."""
-
-    step: int | None = None
-    accuracy: float | None = None
-
-    def offer(self, step: int, accuracy: float) -> bool:
-        """Record ``accuracy`` of ``step`` if it is the best; return whether it was."""
-        if self.accuracy is not None and accuracy <= self.accuracy:
-            return False
-        self.step, self.accuracy = step, accuracy
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "accuracy": self.accuracy}
-
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self.step, self.accuracy = state.get("step"), state.get("accuracy")
-
-
-def best_root(run_dir: Path, *, required: bool = False) -> Path:
-    """The directory whose ``checkpoints/`` holds the best checkpoint of ``run_dir``; with
-    ``required``, a ``ValueError`` for ``--best`` if the run kept none."""
-    root = Path(run_dir) / BEST_DIR
-    if required and not (root / "checkpoints").is_dir():
-        raise ValueError(f"--best: {run_dir} has no best checkpoint ({root}/checkpoints); the run kept none "
-                         "because it ran without eval_every. Use its latest checkpoint: leave out --best.")
-    return root
-
-
-def periodic_eval(run: Any, done: int, record: dict[str, Any]) -> bool:
-    """Every ``eval_every`` steps: ``eval_accuracy`` into the step's ``record``; True on a new best."""
-    from tether.train.metrics import due, eval_seed, evaluate, held_out_metrics, sampled_kl
-
-    cfg = run.cfg
-    if not due(cfg.eval_every, done):
-        return False
-    result = evaluate(run.models.policy, None, run.models.tokenizer, run.task, run.held_out,
-                      max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, with_kl=False,
-                      reward=run.reward, prompt_format=cfg.prompt_format)
-    record["eval_accuracy"] = result.accuracy
-    if result.reward is not None:  # the held-out reward (and each function's) beside it, as after training
-        record.update({key: value for key, value in held_out_metrics(result.as_dict(), with_kl=False).items()
-                       if key.startswith("eval_reward")})
-    if run.held_out:
-        record["eval_kl_sampled_per_seq"] = sampled_kl(
-            run.models.policy, run.models.reference, run.models.tokenizer, run.task, run.held_out,
-            max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.temperature, prompt_format=cfg.prompt_format,
-            seed=eval_seed(cfg.seed, done))
-    return run.best.offer(done, record["eval_accuracy"])

@@ -281,7 +281,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     from tether.integrations.trackers import TRACKERS
     from tether.train.updates import LR_SCHEDULES
     from tether.train.sharding import DEVICES, DTYPES
-    from tether.train.tasks import PROMPT_FORMATS
+    from tether.train.data import PROMPT_FORMATS
     from tether.train.updates import KL_SIGNALS
 
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
@@ -304,7 +304,7 @@ def _unknown_key(key: str, known: Collection[str]) -> str:
 
 
 def _data_problems(cfg: TrainConfig) -> list[str]:
-    from tether.train.tasks import config_problems
+    from tether.train.data import config_problems
 
     return config_problems(cfg)
 

@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
-from tether.train.checkpoint import RESUMABLE_KEYS, best_root, open_checkpoint, read_run_config
+from tether.train.checkpoint import open_checkpoint
+from tether.train.run_dir import RESUMABLE_KEYS, best_root, read_run_config
+from tether.train.plots import plot_metrics
 from tether.train.run import build_models
 
 EXPORT_RECORD = "tether_export.json"
@@ -109,8 +111,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, merge: bool = False, bes
 def write_model_card(folder: Path, run_dir: Path, cfg: Any, record: dict[str, Any], repo: str) -> None:
     """``folder/README.md``: Hub metadata, the run's figures and leash, its config; plots in ``figures/``."""
     import yaml
-
-    from tether.train.metrics import plot_metrics
 
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

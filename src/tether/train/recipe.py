@@ -13,10 +13,9 @@ flags]``); ``recipe_ray`` and ``recipe_sharded`` run its stages on Ray workers a
 
 from __future__ import annotations
 
-import sys
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -24,15 +23,14 @@ from tqdm import tqdm
 from tether.models.records import GRPOLossOutput, GRPOTokenTerms, StepRecord, group_ids
 from tether.ops import (aggregate, aggregate_denominator, effective_sample_size, group_advantages, gspo_log_ratio,
                         importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices, trust_region_surrogate)
+from tether.train import train_command
 from tether.train.config import KL_LOSS_FORMS, TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
-from tether.train.run import Run, build_run, close_run, close_step, open_run
+from tether.train.run import Rollout, Run, build_run, close_run, close_step, open_run
 from tether.train.tasks import Problem, tool_metrics, tool_rollout
 from tether.train.updates import (Update, behaviour_kl, check_finite_update, has_exact_kl, hold_kl_budget, mark_step_start,
                                   measure_kl, minibatch_bounds, store_old_log_probs)
-
-Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
 
 # ------------------------------------------------------------------------------ stages
@@ -247,9 +245,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, roll
 
 def main(argv: list[str] | None = None) -> int:
     """``python recipe.py [tether train flags]``: a copied recipe runs like ``tether train``."""
-    from tether.train.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)], train_fn=train)
+    return train_command.main(argv, train_fn=train)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The GRPO recipe with rollouts on Ray workers (``tether train --workers N``), and their set-up.
 
-The stages and the loop are ``tether.train.recipe``'s; only the rollout differs. ``N`` workers
-sample whole groups with the learner's current weights and score the reference log-probs through
-one shared ``ReferenceService`` while they are at it, so the reference stage finds
-``StepRecord.ref_log_probs`` filled and leaves it. The service returns log-probs only, so these
+The stages and the loop are those of ``recipe`` (``train``'s parameter: tether's recipe, or a
+copy's module); only the rollout differs. A copy (``tether cp recipe_ray``) runs as ``python
+FILE --workers N [tether train flags]``. ``N`` workers sample whole groups with the learner's
+current weights and score the reference log-probs through one shared ``ReferenceService`` while
+they are at it, so the reference stage finds ``StepRecord.ref_log_probs`` filled and leaves it. The service returns log-probs only, so these
 runs measure the leash by the sampled KL (``kl_signal`` in the metrics says so). The workers are
 stopped when the run ends, also when a step raised: the actors hold the cluster's CPUs.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from types import ModuleType
 from typing import Any
 
 import ray
@@ -36,11 +38,12 @@ from tether.ray import (
     connect_cluster,
     start_local_cluster,
 )
-from tether.train import recipe
+from tether.train import recipe as shipped
+from tether.train import train_command
 from tether.train.config import TrainConfig
 from tether.train.recipe_sharded import sharded_rollout, writer_rollout
-from tether.train.checkpoint import describe_checkpoints
-from tether.train.run import Run, build_models, build_run, reference_scorer
+from tether.train.run_files import describe_checkpoints
+from tether.train.run import Rollout, Run, build_models, build_run, reference_scorer
 from tether.train.run_state import RunStopped
 from tether.train.tasks import Problem, ToolUse
 
@@ -49,7 +52,7 @@ class SampledKLNote(UserWarning):
     """A Ray run reads the sampled KL where kl_signal asked for the exact one."""
 
 
-def ray_rollout(pool: Any) -> recipe.Rollout:
+def ray_rollout(pool: Any) -> Rollout:
     """The rollout stage over a ``tether.ray.RolloutPool`` (held by rank 0 of a sharded learner)."""
 
     def on_pool(run: Run, problems: list[Problem], step: int) -> StepRecord:
@@ -65,8 +68,9 @@ def ray_rollout(pool: Any) -> recipe.Rollout:
     return writer_rollout(on_pool)
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """``tether.train.recipe.train`` with the rollout on ``cfg.workers`` Ray workers."""
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
+          recipe: ModuleType = shipped) -> dict[str, Any]:
+    """``recipe.train`` (tether's recipe, or a copy's module) with the rollout on ``cfg.workers`` Ray workers."""
     if cfg.kl_signal == "exact":
         warnings.warn("kl_signal=exact: the Ray ReferenceService returns log-probs only, so this run's leash and "
                       "kl_bound read the sampled KL (the metrics' kl_signal says so).", SampledKLNote, stacklevel=2)
@@ -80,6 +84,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     finally:
         if pool is not None:
             pool.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python recipe_ray.py --workers N [tether train flags]``: a copy runs like ``tether train --workers N``."""
+    return train_command.main(argv, train_fn=train, ray_workers=True)
 
 
 # ------------------------------------------------------------------------------ the Ray services
@@ -159,3 +168,7 @@ def start_workers(cfg: TrainConfig, tool_use: ToolUse | None = None) -> RolloutP
         if owns_ray:
             ray.shutdown()
         raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

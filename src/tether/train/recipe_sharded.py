@@ -20,12 +20,9 @@ from types import ModuleType
 from typing import Any, Callable
 
 from tether.models.records import StepRecord, group_ids
-from tether.train import recipe as shipped
 from tether.train.config import TrainConfig
-from tether.train.run import Run
+from tether.train.run import Rollout, Run
 from tether.train.tasks import Problem
-
-Rollout = shipped.Rollout
 
 
 def sharded_rollout(rollout: Rollout, add_reference: Callable[[Run, StepRecord], None]) -> Rollout:
@@ -65,7 +62,7 @@ def writer_rollout(rollout: Rollout) -> Rollout:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
-          recipe: ModuleType = shipped) -> dict[str, Any]:
+          recipe: ModuleType) -> dict[str, Any]:
     """``recipe.train`` (tether's recipe, or a copy's module) on this rank, with the recipe's
     rollout, ``sample``, wrapped by ``sharded_rollout`` (and by ``writer_rollout`` for a tool task)."""
     alone = writer_rollout(recipe.sample)  # sharding.share_run leaves a tool task's sampler without SharedDraw

@@ -30,6 +30,7 @@ import torch
 
 from tether.models.records import StepRecord, group_ids
 from tether.models.score_plan import row_slices
+from tether.train.run_files import describe_checkpoints
 from tether.train.tasks import Problem, Task, load_user_module
 
 _RESERVED = ("prompts", "completions", "completion_ids")
@@ -42,8 +43,6 @@ class RewardError(ValueError):
 
 def with_checkpoints(exc: RewardError, run_dir: Path) -> RewardError:
     """``exc`` followed by what ``run_dir`` holds to resume from."""
-    from tether.train.checkpoint import describe_checkpoints  # checkpoint's imports lead back to this module
-
     return RewardError(f"{exc} {describe_checkpoints(run_dir)}")
 
 

@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,19 +35,21 @@ from tether.control import KLController, make_kl_controller
 from tether.control.budget import ReferenceLine
 from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
+from tether.models.records import StepRecord
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
 from tether.ops.checks import lookup
-from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, clear_run_dir,
-                                     newest_intact, open_checkpoint, periodic_eval, read_state, save_checkpoint,
-                                     write_config, write_run_start)
+from tether.train.checkpoint import checkpoint_record, newest_intact, open_checkpoint, read_state, save_checkpoint
+from tether.train.periodic_eval import BestEval, periodic_eval
+from tether.train.run_dir import best_root, check_new_run_dir, clear_run_dir, write_config, write_run_start
 from tether.train.config import TrainConfig
-from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, plot_metrics, summarize
+from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, summarize
+from tether.train.plots import plot_metrics
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.run_state import restarts
 from tether.train.sharding import (Ranks, join_ranks, load_generator_state, resolve_device, resolve_dtype, shard_models,
                                    share_run)
-from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
-                                load_task, with_episode_limits)
+from tether.train.data import check_data, check_prompt_format, dataset_task
+from tether.train.tasks import IN_MEMORY, Problem, load_task, with_episode_limits
 from tether.train.updates import make_lr_scheduler
 
 
@@ -65,7 +67,7 @@ class Run:
 
     cfg: TrainConfig
     dir: Path
-    task: Any  # a tether.train.tasks.Task, or a tether.train.tasks.DatasetTask with --dataset
+    task: Any  # a tether.train.tasks.Task, or a tether.train.data.DatasetTask with --dataset
     held_out: list[Problem]
     models: Models
     sampler: TransformersWrapper
@@ -87,6 +89,10 @@ class Run:
 
     def __post_init__(self) -> None:
         self.excluded = frozenset(p.key for p in self.held_out)
+
+
+# A rollout stage: the step's records of a rank's problems (the recipe's ``sample``, or another topology's).
+Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
 
 def _controller(cfg: TrainConfig, leash: Leash) -> Any:

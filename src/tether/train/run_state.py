@@ -17,8 +17,9 @@ import shlex
 import warnings
 from pathlib import Path
 
-from tether.train.checkpoint import (RESUMABLE_KEYS, CheckpointError, RunDirError, changed_keys, check_record,
-                                     checkpoint_dirs, newest_intact, read_state)
+from tether.train.checkpoint import CheckpointError, check_record, newest_intact, read_state
+from tether.train.run_dir import RESUMABLE_KEYS, RunDirError, changed_keys, read_run_config
+from tether.train.run_files import checkpoint_dirs
 from tether.train.config import TrainConfig
 from tether.train.jsonl import read_jsonl
 
@@ -84,7 +85,6 @@ def restarts(cfg: TrainConfig, *, say: bool = True) -> bool:
     ``RestartNote`` with what is recomputed; a ``cfg`` that changes config.yaml beyond
     ``RESUMABLE_KEYS`` is refused (``RunDirError``) as on any resume; ``say``: warn (the
     writing rank)."""
-    from tether.train.checkpoint import read_run_config
     from tether.train.metrics import MetricsLog
 
     run_dir = Path(cfg.out)

@@ -38,7 +38,7 @@ from tether.objectives import GRPOLossOutput, GRPOTokenTerms
 from tether.ops import aggregate, kl_k1, kl_k3
 from tether.ops.checks import lookup
 from tether.ops.masks import even_slices
-from tether.train.checkpoint import describe_checkpoints
+from tether.train.run_files import describe_checkpoints
 
 
 @dataclass
