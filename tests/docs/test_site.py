@@ -42,7 +42,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def _page(site: Path, name: str) -> str:
-    return (site / name / "index.html").read_text()
+    return (site / f"{name}.html").read_text()
 
 
 def _exports(package: str) -> list[str]:
