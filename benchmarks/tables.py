@@ -287,6 +287,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-reading": ("docs/leash.md", lambda: leash_reading(_results.read("leash_reading"))),
     "leash-toy": ("docs/leash.md", lambda: leash_toy(_results.read("leash_toy"))),
     "default-run": ("docs/getting-started.md", lambda: default_run_heldout(_results.read("default_run"))),
+    "home-default-run": ("docs/index.md", lambda: default_run_heldout(_results.read("default_run"))),
     "default-run-steps": ("docs/getting-started.md", lambda: default_run_steps(_results.read("default_run"))),
     "default-run-push": ("docs/leash.md", lambda: default_run_push(_results.read("default_run"))),
     "leash-grid-push": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), True)),

@@ -42,7 +42,7 @@ def site(tmp_path_factory) -> Path:
 
 
 def _page(site: Path, name: str) -> str:
-    return (site / name / "index.html").read_text()
+    return (site / f"{name}.html").read_text()
 
 
 def _exports(package: str) -> list[str]:
@@ -96,3 +96,21 @@ def test_readme_quickstart_fits_in_30_lines():
     lines = sum(len(b.code.splitlines()) for b in read_blocks(ROOT / "README.md")
                 if start < readme.index(b.code) < end)
     assert 5 < lines <= 30, lines
+
+
+def test_links_open_from_disk(site):
+    """``use_directory_urls: false``: every internal link names a file (``page.html``), so the site
+    browses from ``site/index.html`` without a server; a link to a folder shows a listing there."""
+    folders = sorted({link for page in site.rglob("*.html")
+                      for link in re.findall(r'href="([^"#:]*/)"', page.read_text())})
+    assert not folders, folders
+    assert (site / "reference" / "api" / "objectives.html").exists()
+
+
+def test_pages_name_torchrl_not_the_project_notes():
+    """"SPEC §3" or "the seed's code" points at notes a reader does not have: say TorchRL."""
+    pattern = re.compile(r"\bSPEC\b|the TorchRL seed|\b[Tt]he seed's\b|\b[Tt]he seeds'|\(the seed\)")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in pages
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
