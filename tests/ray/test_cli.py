@@ -83,9 +83,8 @@ def test_cli_train_with_workers_starts_and_stops_its_own_cluster(tmp_path):
 
 
 def test_cli_train_with_an_unreachable_ray_address_fails_with_the_reason(tmp_path):
-    """``--workers 1 ray_address=127.0.0.1:<free port>``: nothing listens there (nor at the
-    machine's address, where Ray dials for a loopback host), so ``ray.init`` would retry for
-    ever. The run exits non-zero well within the 120 s guard, naming the address and the fix,
+    """``--workers 1 ray_address=127.0.0.1:<free port>``: nothing listens there (a loopback
+    address is dialled as given, ``connect_cluster``), so ``ray.init`` would retry for ever. The run exits non-zero well within the 120 s guard, naming the address and the fix,
     leaves no process behind and no checkpoint in its run directory."""
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))

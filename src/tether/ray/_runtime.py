@@ -11,6 +11,7 @@ turn Ray's timeout into a ``TimeoutError`` naming what was awaited and the knob 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import socket
@@ -290,9 +291,15 @@ def connect_cluster(address: Any, timeout_s: Any) -> None:
         )
     if ray.is_initialized():
         raise RuntimeError(f"connect_cluster({address!r}): this process is already connected to Ray.")
-    host, port = _dial_target(address.strip())
-    probe(host, port, seconds, f"Ray address {address!r}")
-    ray.init(address=address.strip())
+    # Ray dials a loopback address at the machine's routable one (``_dial_target``); a cluster on
+    # this machine bound to 127.0.0.1 (``ray.cluster_utils.Cluster``, a test's second node)
+    # listens on the loopback only, so a loopback address is dialled as given.
+    given = address.strip().rpartition(":")[0]
+    keep = ray_cluster_mode_off() if is_loopback(given) else contextlib.nullcontext()
+    with keep:
+        host, port = _dial_target(address.strip())
+        probe(host, port, seconds, f"Ray address {address!r}")
+        ray.init(address=address.strip())
 
 
 def remote_device(device: Any, num_gpus: float) -> torch.device | None:
