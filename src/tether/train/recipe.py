@@ -31,6 +31,7 @@ from tether.train.run import Run, build_run, close_run, close_step, open_run
 from tether.train.tasks import Problem, tool_metrics, tool_rollout
 from tether.train.updates import (Update, behaviour_kl, check_finite_update, has_exact_kl, hold_kl_budget, mark_step_start,
                                   measure_kl, minibatch_bounds, store_old_log_probs)
+from tether.train.variants import hold_variants
 
 Rollout = Callable[[Run, list[Problem], int], StepRecord]
 
@@ -200,6 +201,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     mark_step_start(run)  # kl_controller=budget: what a rejected update returns to
     update = optimize(run, record, step)
     move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
+    move.update(hold_variants(run, record, move))  # reference_move: the budget to the original, the reference's move
     run.scheduler.step()
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
     if cfg.kl_control_signal == "exact" and cfg.kl_controller != "budget":  # known only now: beta for the next update
