@@ -92,3 +92,17 @@ def test_bad_arguments_and_states_are_named():
         mover.load_state_dict({**mover.state_dict(), "after": 3})
     with pytest.raises(KeyError, match="missing \\['moves'\\]"):
         mover.load_state_dict({k: v for k, v in mover.state_dict().items() if k != "moves"})
+
+
+def test_budget_lr_follows_the_kept_scale_by_hand():
+    """gain 1: pulled to 0.5 -> 0.5; to 0.8 -> 0.4; kept -> 0.6, 0.9, then 1 (capped at the
+    schedule's rate); rejected -> 0.5. gain 0.5: pulled to 0.25 -> 0.25 ** 0.5 = 0.5; kept ->
+    0.5 * 1.5 ** 0.5."""
+    from tether.train.variants import BudgetLR
+
+    lr = BudgetLR(gain=1.0)
+    got = [lr.observe(m) for m in (PULLED, BudgetMove(2.0, 1.0, 0.8, 2), KEPT, KEPT, KEPT, REJECTED)]
+    assert got == pytest.approx([0.5, 0.4, 0.6, 0.9, 1.0, 0.5], rel=1e-15)
+    lr = BudgetLR(gain=0.5)
+    assert lr.observe(BudgetMove(16.0, 1.0, 0.25, 2)) == pytest.approx(0.5, rel=1e-15)
+    assert lr.observe(KEPT) == pytest.approx(0.5 * 1.5 ** 0.5, rel=1e-15)

@@ -103,3 +103,33 @@ def test_resume_restores_the_moved_reference_exactly(tmp_path):
 def test_bad_combinations_are_refused_by_name(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         tiny_cfg(tmp_path / "run", **{**MOVING, **bad}).validate()
+
+
+ADAPTIVE = dict(**BUDGET, kl_target=0.02, kl_bound=0.0, kl_adaptive_lr=True)
+
+
+def test_the_learning_rate_follows_the_budget_and_resumes_exactly(tmp_path):
+    """Constant schedule, no warm-up: step 1 trains at learning_rate; step k + 1 at learning_rate
+    times the multiplier logged at step k, which replays by hand from the logged kept scales
+    (x scale when pulled back, x 0.5 when rejected, x 1.5 capped at 1 otherwise). A run stopped
+    after step 2 and resumed logs the same lines, bit for bit."""
+    clean, cut = tmp_path / "clean", tmp_path / "cut"
+    train(tiny_cfg(clean, steps=4, **ADAPTIVE), progress=False)
+    rows = _metrics(clean)
+    multiplier, base = 1.0, ADAPTIVE["learning_rate"]
+    for row in rows:
+        assert row["lr"] == pytest.approx(base * multiplier, rel=1e-15)
+        factor = 0.5 if row["step_rejected"] else (row["kl_move_scale"] if row["kl_move_scale"] < 1 else 1.5)
+        multiplier = min(1.0, multiplier * factor)
+        assert row["lr_multiplier"] == pytest.approx(multiplier, rel=1e-15)
+    assert rows[-1]["lr"] < base  # the plant binds: the rate moved
+    interrupted_train(tiny_cfg(cut, steps=4, **ADAPTIVE), after=2)
+    train(tiny_cfg(cut, steps=4, **ADAPTIVE), resume=True, progress=False)
+    assert _metrics(cut) == rows
+
+
+def test_kl_adaptive_lr_needs_the_budget(tmp_path):
+    with pytest.raises(ValueError, match="kl_adaptive_lr: the rate follows the budget's kept scale"):
+        tiny_cfg(tmp_path / "run", **{**ADAPTIVE, "kl_controller": "target"}).validate()
+    with pytest.raises(ValueError, match="kl_adaptive_lr_gain"):
+        tiny_cfg(tmp_path / "run", **{**ADAPTIVE, "kl_adaptive_lr_gain": 1.5}).validate()

@@ -108,6 +108,8 @@ class TrainConfig:
     reference_move: str = _f("off", "kl_controller=budget: advance the reference when the budget binds, after reference_move_after pulled-back (scaled under 1 or rejected) steps in a row: 'reset' copies the kept weights into it, 'ema' moves it reference_move_alpha of the way; the kept weights' KL per answer to the original model is then held under reference_move_budget. 'off' never moves it. Full fine-tuning only (lora_rank=0), with reference_update=fixed.")
     reference_move_after: int = _f(3, "reference_move: consecutive pulled-back steps that move the reference.")
     reference_move_alpha: float = _f(0.5, "reference_move=ema: the kept weights' share in each move of the reference, in (0, 1].")
+    kl_adaptive_lr: bool = _f(False, "kl_controller=budget: scale the next step's learning rate by the scale the budget kept (to the power kl_adaptive_lr_gain; a rejected update halves it) and raise it by 1.5x (to the same power) after a step it did not pull back, never above the schedule's rate.")
+    kl_adaptive_lr_gain: float = _f(1.0, "kl_adaptive_lr: the power on each factor, in (0, 1]; 1 follows the kept scale in one step.")
     reference_move_budget: float = _f(8.0, "reference_move: ceiling on the kept weights' KL per answer (nats) to the original model, held after the reference has moved by pulling them back along the line to the original; at least kl_bound.")
     # --- data and rewards (tether.train.tasks, tether.train.rewards)
     dataset: str = _f("", "Prompts from a .jsonl/.csv/.parquet file, a save_to_disk directory or a Hub dataset id in the local Hugging Face cache (its train split), read offline with `datasets`, instead of --task.")
@@ -236,15 +238,21 @@ _RANGES: dict[str, dict[str, Any]] = {
     "reference_alpha": {"low": 0, "low_open": True, "high": 1},
     "reference_move_alpha": {"low": 0, "low_open": True, "high": 1},
     "reference_move_budget": {"low": 0, "low_open": True},
+    "kl_adaptive_lr_gain": {"low": 0, "low_open": True, "high": 1},
 }
 
 
 def _reference_move_problems(cfg: TrainConfig) -> list[str]:
     """reference_move's combinations: it needs the budget's pull-backs, a reference of its own and
-    a cumulative budget that holds before the first move (where it reads like kl_bound)."""
+    a cumulative budget that holds before the first move (where it reads like kl_bound); so does
+    kl_adaptive_lr's rate need the budget's scale."""
+    p = []
+    if cfg.kl_adaptive_lr and cfg.kl_controller != "budget":
+        p.append(f"kl_adaptive_lr: the rate follows the budget's kept scale and needs kl_controller='budget', got "
+                 f"{cfg.kl_controller!r}; set kl_controller=budget or kl_adaptive_lr=false")
     if cfg.reference_move == "off":
-        return []
-    p, what = [], f"reference_move={cfg.reference_move!r}"
+        return p
+    what = f"reference_move={cfg.reference_move!r}"
     if cfg.kl_controller != "budget":
         p.append(f"reference_move: {what} is triggered by the budget's pull-backs and needs kl_controller='budget', "
                  f"got {cfg.kl_controller!r}; set kl_controller=budget or reference_move=off")

@@ -201,8 +201,8 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     mark_step_start(run)  # kl_controller=budget: what a rejected update returns to
     update = optimize(run, record, step)
     move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
-    move.update(hold_variants(run, record, move))  # reference_move: the budget to the original, the reference's move
     run.scheduler.step()
+    move.update(hold_variants(run, record, move))  # reference_move, kl_adaptive_lr: docs/leash.md
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
     if cfg.kl_control_signal == "exact" and cfg.kl_controller != "budget":  # known only now: beta for the next update
         run.controller.update(kl.signal)

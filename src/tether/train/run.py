@@ -36,7 +36,7 @@ from tether.control.budget import ReferenceLine
 from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
-from tether.ops.checks import lookup
+from tether.ops.checks import lookup, real_number
 from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, checkpoint_record, clear_run_dir,
                                      newest_intact, open_checkpoint, periodic_eval, read_state, save_checkpoint,
                                      write_config, write_run_start)
@@ -49,7 +49,7 @@ from tether.train.sharding import (Ranks, join_ranks, load_generator_state, reso
 from tether.train.tasks import (IN_MEMORY, Problem, check_data, check_prompt_format, dataset_task,
                                 load_task, with_episode_limits)
 from tether.train.updates import make_lr_scheduler
-from tether.train.variants import MovingReference, moving_reference, original_model
+from tether.train.variants import BudgetLR, MovingReference, budget_lr, moving_reference, original_model
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Run:
     ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's processes (tether.train.sharding)
     line: ReferenceLine | None = None  # the weights the budget and the ceiling kl_bound move toward the reference
     moving: MovingReference | None = None  # reference_move: the mover and the line to the original model
+    lr_follow: BudgetLR | None = None  # kl_adaptive_lr: the multiplier on the schedule's learning rate
     excluded: frozenset[str] = field(init=False)  # keys of the held-out problems, never drawn for training
 
     def __post_init__(self) -> None:
@@ -162,7 +163,7 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
         reward=build_reward(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
         line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" or cfg.kl_bound else None,
-        moving=moving_reference(cfg, models),
+        moving=moving_reference(cfg, models), lr_follow=budget_lr(cfg),
     )
     share_run(run)
     return run
@@ -176,6 +177,7 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
         # The moved reference weights go to reference.safetensors, not into state.json.
         "reference_updater": run.ref_updater.state_dict(with_tensors=False) if run.ref_updater else None,
         **({"reference_move": run.moving.mover.state_dict()} if run.moving else {}),
+        **({"lr_multiplier": run.lr_follow.multiplier} if run.lr_follow else {}),
         "lr_scheduler": run.scheduler.state_dict(),
         "best_eval": run.best.state_dict(),
         **extra,
@@ -203,6 +205,8 @@ def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
     if run.moving is not None:
         run.moving.mover.load_state_dict(ckpt.state["reference_move"])
+    if run.lr_follow is not None:  # the optimizer's saved rates already carry it
+        run.lr_follow.multiplier = real_number("lr_multiplier", ckpt.state["lr_multiplier"], low=0, low_open=True)
     if "lr_scheduler" in ckpt.state:
         run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
     run.best.load_state_dict(ckpt.state.get("best_eval"))

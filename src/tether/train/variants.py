@@ -7,7 +7,9 @@ on the step's answers and, above ``reference_move_budget``, pulled back along th
 original (``pull_under_ceiling``, the ceiling's own mechanism); then ``ReferenceMover`` counts the
 step and moves the reference after ``reference_move_after`` pulled-back steps in a row. Before
 the first move the reference is the original, so the reading is the budget's own
-(``kl_kept_per_seq``) and no forward is spent. Why: docs/leash.md, "A reference that moves".
+(``kl_kept_per_seq``) and no forward is spent. ``kl_adaptive_lr`` (a learning rate that follows
+the budget): ``BudgetLR`` scales the next step's learning rate by the scale the budget kept.
+Why: docs/leash.md, "A reference that moves" and "A learning rate that follows the budget".
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tether.models import TransformersWrapper, frozen_copy
 from tether.models.records import StepRecord
 from tether.train.updates import CEILING_AIM, KLReadings, _TrackedLine
 
-__all__ = ["MovingReference", "hold_original_budget", "hold_variants", "moving_reference", "original_model"]
+__all__ = ["BudgetLR", "MovingReference", "budget_lr", "hold_original_budget", "hold_variants", "moving_reference", "original_model"]
 
 
 @dataclass
@@ -84,11 +86,46 @@ def hold_original_budget(run: Any, record: StepRecord, kept: float) -> dict[str,
     return {"kl_to_base_per_seq": kl, "kl_to_base_scale": scale}
 
 
+# A rejected update kept no scale of its own: the next rate is halved, the most one ceiling try pulls.
+REJECTED_SCALE = 0.5
+# A step the budget did not pull back raises the multiplier by this factor, up to 1 (the schedule's
+# own rate): the factor of the KL-adaptive rate of rl_games' PPO, which this rule follows.
+RECOVERY = 1.5
+
+
+@dataclass
+class BudgetLR:
+    """The multiplier on the schedule's learning rate: times ``scale ** gain`` after a pulled-back
+    step (``REJECTED_SCALE`` for a rejection), times ``RECOVERY ** gain`` (at most 1) otherwise."""
+
+    gain: float
+    multiplier: float = 1.0
+
+    def observe(self, move: BudgetMove) -> float:
+        if move.rejected or move.scale < 1.0:
+            factor = REJECTED_SCALE if move.rejected else move.scale
+        else:
+            factor = RECOVERY
+        self.multiplier = min(1.0, self.multiplier * factor ** self.gain)
+        return self.multiplier
+
+
+def budget_lr(cfg: Any) -> BudgetLR | None:
+    return BudgetLR(cfg.kl_adaptive_lr_gain) if cfg.kl_adaptive_lr else None
+
+
 def hold_variants(run: Any, record: StepRecord, leash: dict[str, Any]) -> dict[str, Any]:
-    """After ``hold_kl_budget`` (its record entries ``leash``): the variants' holds and moves, and
-    their record entries; ``{}`` with none on."""
-    if run.moving is None or not leash:
-        return {}
-    base = hold_original_budget(run, record, leash["kl_kept_per_seq"])
-    moved = run.moving.mover.observe(_budget_move(leash))
-    return {**base, **run.moving.mover.metrics(moved)}
+    """After ``hold_kl_budget`` (its record entries ``leash``) and the schedule's step: the
+    variants' holds and moves, and their record entries; ``{}`` with none on."""
+    out: dict[str, Any] = {}
+    if not leash:
+        return out
+    move = _budget_move(leash)
+    if run.moving is not None:
+        out.update(hold_original_budget(run, record, leash["kl_kept_per_seq"]))
+        out.update(run.moving.mover.metrics(run.moving.mover.observe(move)))
+    if run.lr_follow is not None:  # after the scheduler's step, which sets each rate from its base afresh
+        out["lr_multiplier"] = run.lr_follow.observe(move)
+        for group in run.optimizer.param_groups:
+            group["lr"] *= out["lr_multiplier"]
+    return out
