@@ -11,6 +11,7 @@ from tether.control.controllers import (
     TargetKLController,
     make_kl_controller,
 )
+from tether.control.reference_move import REFERENCE_MOVES, ReferenceMover
 
 __all__ = [
     "KL_CONTROLLERS",
@@ -19,6 +20,8 @@ __all__ = [
     "BudgetMove",
     "ConstantKLController",
     "KLController",
+    "REFERENCE_MOVES",
+    "ReferenceMover",
     "TargetKLController",
     "make_kl_controller",
 ]

@@ -257,7 +257,14 @@ class ReferenceUpdater:
                 "after resuming, load_state_dict restores the last step"
             )
         self.last_step = step_index
-        if self._rule is None or step_index % self.every != 0:
+        if step_index % self.every != 0:
+            return False
+        return self.move_now()
+
+    def move_now(self) -> bool:
+        """Apply the rule once, off the schedule (a caller's own trigger, e.g. a KL budget that
+        keeps binding); True when the reference moved (never for ``"fixed"``)."""
+        if self._rule is None:
             return False
         with torch.no_grad():
             for policy_tensor, reference_tensor in self._pairs.values():

@@ -105,6 +105,12 @@ class TrainConfig:
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
+    reference_move: str = _f("off", "kl_controller=budget: advance the reference when the budget binds, after reference_move_after pulled-back (scaled under 1 or rejected) steps in a row: 'reset' copies the kept weights into it, 'ema' moves it reference_move_alpha of the way; the kept weights' KL per answer to the original model is then held under reference_move_budget. 'off' never moves it. Full fine-tuning only (lora_rank=0), with reference_update=fixed.")
+    reference_move_after: int = _f(3, "reference_move: consecutive pulled-back steps that move the reference.")
+    reference_move_alpha: float = _f(0.5, "reference_move=ema: the kept weights' share in each move of the reference, in (0, 1].")
+    kl_adaptive_lr: bool = _f(False, "kl_controller=budget: scale the next step's learning rate by the scale the budget kept (to the power kl_adaptive_lr_gain; a rejected update halves it) and raise it by 1.5x (to the same power) after a step it did not pull back, never above the schedule's rate.")
+    kl_adaptive_lr_gain: float = _f(1.0, "kl_adaptive_lr: the power on each factor, in (0, 1]; 1 follows the kept scale in one step.")
+    reference_move_budget: float = _f(8.0, "reference_move: ceiling on the kept weights' KL per answer (nats) to the original model, held after the reference has moved by pulling them back along the line to the original; at least kl_bound.")
     # --- data and rewards (tether.train.tasks, tether.train.rewards)
     dataset: str = _f("", "Prompts from a .jsonl/.csv/.parquet file, a save_to_disk directory or a Hub dataset id in the local Hugging Face cache (its train split), read offline with `datasets`, instead of --task.")
     prompt_column: str = _f("prompt", "Dataset column holding each prompt: chat messages or plain text; the other columns reach the reward functions.")
@@ -201,6 +207,7 @@ class TrainConfig:
         need(not (self.lora_rank and self.reference_update == "ema"),
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
+        p.extend(_reference_move_problems(self))
         p.extend(_loop_problems(self))
         p.extend(_task_problem(self.task))
         p.extend(_data_problems(self))
@@ -213,7 +220,8 @@ class TrainConfig:
 # The range of each number field beyond "a finite number" (ints: at least ``low``).
 _RANGES: dict[str, dict[str, Any]] = {
     **{name: {"low": 1} for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size",
-                                     "eval_max_new_tokens", "kl_horizon", "reference_every", "keep_checkpoints")},
+                                     "eval_max_new_tokens", "kl_horizon", "reference_every", "keep_checkpoints",
+                                     "reference_move_after")},
     "group_size": {"low": 2, "fix": "A group of one has no baseline."},
     **{name: {"low": 0} for name in ("checkpoint_every", "workers", "threads", "lora_rank", "eval_size",
                                      "weight_decay", "grad_clip", "entropy_coeff", "kl_coef", "clip_epsilon_high",
@@ -228,7 +236,38 @@ _RANGES: dict[str, dict[str, Any]] = {
     "clip_epsilon": {"low": 0, "low_open": True, "high": 1, "high_open": True},
     "trust_region_delta": {"low": 0, "low_open": True},
     "reference_alpha": {"low": 0, "low_open": True, "high": 1},
+    "reference_move_alpha": {"low": 0, "low_open": True, "high": 1},
+    "reference_move_budget": {"low": 0, "low_open": True},
+    "kl_adaptive_lr_gain": {"low": 0, "low_open": True, "high": 1},
 }
+
+
+def _reference_move_problems(cfg: TrainConfig) -> list[str]:
+    """reference_move's combinations: it needs the budget's pull-backs, a reference of its own and
+    a cumulative budget that holds before the first move (where it reads like kl_bound); so does
+    kl_adaptive_lr's rate need the budget's scale."""
+    p = []
+    if cfg.kl_adaptive_lr and cfg.kl_controller != "budget":
+        p.append(f"kl_adaptive_lr: the rate follows the budget's kept scale and needs kl_controller='budget', got "
+                 f"{cfg.kl_controller!r}; set kl_controller=budget or kl_adaptive_lr=false")
+    if cfg.reference_move == "off":
+        return p
+    what = f"reference_move={cfg.reference_move!r}"
+    if cfg.kl_controller != "budget":
+        p.append(f"reference_move: {what} is triggered by the budget's pull-backs and needs kl_controller='budget', "
+                 f"got {cfg.kl_controller!r}; set kl_controller=budget or reference_move=off")
+    if cfg.lora_rank or cfg.adapter:
+        p.append(f"reference_move: {what} needs full fine-tuning (the original model is a second full copy and a "
+                 "LoRA line to a moved adapter is not the adapted weights' line); set lora_rank=0 or reference_move=off")
+    if cfg.nproc > 1:
+        p.append(f"reference_move: {what} keeps the original model unsharded in one process; set nproc=1")
+    if cfg.reference_update != "fixed":
+        p.append(f"reference_move: {what} and reference_update={cfg.reference_update!r} would both move the reference; "
+                 "set reference_update=fixed or reference_move=off")
+    if cfg.kl_bound and cfg.reference_move_budget < cfg.kl_bound:
+        p.append(f"reference_move_budget: {cfg.reference_move_budget:g} is under kl_bound={cfg.kl_bound:g}, so it would "
+                 "bind before the first move, where the original model is the reference; raise it to at least kl_bound")
+    return p
 
 
 def _loop_problems(cfg: TrainConfig) -> list[str]:
@@ -274,7 +313,7 @@ KL_MODES: dict[str, str] = {
 
 def config_choices() -> dict[str, Mapping[str, Any]]:
     """Each choice field and the registry whose names it takes, so a new variant needs no edit here."""
-    from tether.control import KL_CONTROLLERS
+    from tether.control import KL_CONTROLLERS, REFERENCE_MOVES
     from tether.models import REFERENCE_UPDATES
     from tether.objectives import RATIO_LEVELS
     from tether.ops import ADVANTAGE_MODES, AGGREGATION_MODES, IMPORTANCE_WEIGHT_MODES, KL_ESTIMATORS, TRUST_REGIONS
@@ -287,7 +326,7 @@ def config_choices() -> dict[str, Mapping[str, Any]]:
     return {"aggregation": AGGREGATION_MODES, "advantage": ADVANTAGE_MODES, "kl_mode": KL_MODES,
             "kl_estimator": KL_ESTIMATORS, "kl_correction": KL_LOSS_FORMS, "kl_controller": KL_CONTROLLERS, "kl_signal": KL_SIGNALS,
             "kl_control_signal": KL_SIGNALS,
-            "reference_update": REFERENCE_UPDATES, "dtype": DTYPES, "device": DEVICES,
+            "reference_update": REFERENCE_UPDATES, "reference_move": REFERENCE_MOVES, "dtype": DTYPES, "device": DEVICES,
             "ratio_level": RATIO_LEVELS, "importance_correction": ChainMap(_NO_CORRECTION, IMPORTANCE_WEIGHT_MODES),
             "trust_region": TRUST_REGIONS, "lr_schedule": LR_SCHEDULES, "report_to": TRACKERS, "prompt_format": PROMPT_FORMATS}
 

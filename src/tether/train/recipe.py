@@ -31,6 +31,7 @@ from tether.train.run import Rollout, Run, build_run, close_run, close_step, ope
 from tether.train.tasks import Problem, tool_metrics, tool_rollout
 from tether.train.updates import (Update, behaviour_kl, check_finite_update, has_exact_kl, hold_kl_budget, mark_step_start,
                                   measure_kl, minibatch_bounds, store_old_log_probs)
+from tether.train.variants import hold_variants
 
 
 # ------------------------------------------------------------------------------ stages
@@ -199,6 +200,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     update = optimize(run, record, step)
     move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
     run.scheduler.step()
+    move.update(hold_variants(run, record, move))  # reference_move, kl_adaptive_lr: docs/leash.md
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
     if cfg.kl_control_signal == "exact" and cfg.kl_controller != "budget":  # known only now: beta for the next update
         run.controller.update(kl.signal)

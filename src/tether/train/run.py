@@ -37,7 +37,7 @@ from tether.integrations.trackers import NullTracker, make_tracker
 from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.records import StepRecord
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
-from tether.ops.checks import lookup
+from tether.ops.checks import lookup, real_number
 from tether.train.checkpoint import checkpoint_record, newest_intact, open_checkpoint, read_state, save_checkpoint
 from tether.train.periodic_eval import BestEval, periodic_eval
 from tether.train.run_dir import best_root, check_new_run_dir, clear_run_dir, write_config, write_run_start
@@ -51,6 +51,7 @@ from tether.train.sharding import (Ranks, join_ranks, load_generator_state, reso
 from tether.train.data import check_data, check_prompt_format, dataset_task
 from tether.train.tasks import IN_MEMORY, Problem, load_task, with_episode_limits
 from tether.train.updates import make_lr_scheduler
+from tether.train.variants import BudgetLR, MovingReference, budget_lr, moving_reference, original_model
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Run:
     tracker: Any = None  # TensorBoard (report_to) or a no-op; train() opens it
     ranks: Ranks = field(default_factory=Ranks)  # the sharded learner's processes (tether.train.sharding)
     line: ReferenceLine | None = None  # the weights the budget and the ceiling kl_bound move toward the reference
+    moving: MovingReference | None = None  # reference_move: the mover and the line to the original model
+    lr_follow: BudgetLR | None = None  # kl_adaptive_lr: the multiplier on the schedule's learning rate
     excluded: frozenset[str] = field(init=False)  # keys of the held-out problems, never drawn for training
 
     def __post_init__(self) -> None:
@@ -166,6 +169,7 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
         reward=build_reward(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
         line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" or cfg.kl_bound else None,
+        moving=moving_reference(cfg, models), lr_follow=budget_lr(cfg),
     )
     share_run(run)
     return run
@@ -178,6 +182,8 @@ def _state(run: Run, step: int, extra: dict[str, Any]) -> dict[str, Any]:
         "controller": run.controller.state_dict(),
         # The moved reference weights go to reference.safetensors, not into state.json.
         "reference_updater": run.ref_updater.state_dict(with_tensors=False) if run.ref_updater else None,
+        **({"reference_move": run.moving.mover.state_dict()} if run.moving else {}),
+        **({"lr_multiplier": run.lr_follow.multiplier} if run.lr_follow else {}),
         "lr_scheduler": run.scheduler.state_dict(),
         "best_eval": run.best.state_dict(),
         **extra,
@@ -203,6 +209,10 @@ def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
     run.controller.load_state_dict(ckpt.state["controller"])
     if run.ref_updater is not None and ckpt.state.get("reference_updater"):
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
+    if run.moving is not None:
+        run.moving.mover.load_state_dict(ckpt.state["reference_move"])
+    if run.lr_follow is not None:  # the optimizer's saved rates already carry it
+        run.lr_follow.multiplier = real_number("lr_multiplier", ckpt.state["lr_multiplier"], low=0, low_open=True)
     if "lr_scheduler" in ckpt.state:
         run.scheduler.load_state_dict(ckpt.state["lr_scheduler"])
     run.best.load_state_dict(ckpt.state.get("best_eval"))
@@ -268,7 +278,7 @@ def close_step(run: Run, opened: Opened, line: dict[str, Any]) -> None:
 def close_run(run: Run, opened: Opened) -> dict[str, Any]:
     """The final evaluation, then ``summary.json`` and the plots; returns the summary ({} on a
     rank that does not write)."""
-    after = evaluate_run(run, run.models.reference, progress=opened.progress)
+    after = evaluate_run(run, original_model(run), progress=opened.progress)
     if not run.ranks.writer:
         return {}
     run.tracker.scalars({"step": run.cfg.steps, **held_out_metrics(after)})
@@ -311,7 +321,7 @@ def build_models(cfg: TrainConfig) -> Models:
     if cfg.lora_rank == 0:
         base.requires_grad_(True)
         reference = frozen_copy(base)
-        movable = reference if cfg.reference_update != "fixed" else None
+        movable = reference if cfg.reference_update != "fixed" or cfg.reference_move != "off" else None
         return Models(base, reference, tokenizer, movable, prints, device)
     import peft
 
