@@ -24,7 +24,7 @@ import argparse
 import multiprocessing
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,7 @@ def run_job(point: str, seed: int, mode: Mode, args: argparse.Namespace) -> list
     records = best_of_n_points(seed, mode, args) if point == "best-of-n" else trained_point(point, seed, mode, args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else stamp["machine"]
     extra = {"mode": mode.name, "reduced": mode.reduced, "model": mode.model, "eval_size": len(records[0]["per_problem"]),
-             "device": device, "dtype": args.dtype}
+             "device": device, "dtype": args.dtype, "overrides": list(args.set)}
     return [{**r, **stamp, **extra} for r in records]
 
 
@@ -205,15 +205,13 @@ def plan(args: argparse.Namespace, mode: Mode, root: Path | None) -> list[tuple[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    mode = replace(MODES["quick" if args.quick else "reduced" if args.reduced else "full"])
-    if args.eval_size:
-        mode = replace(mode, eval_size=args.eval_size)
+    mode = MODES["quick" if args.quick else "reduced" if args.reduced else "full"]
     root = Path(args.results) if args.results else None
     skipped = [p for p in selected(args.only) if GRID[p] is None]
     if skipped:
         print(f"not run (their config fields are not in TrainConfig yet): {', '.join(skipped)}", flush=True)
     todo, start, longest, failed = plan(args, mode, root), time.monotonic(), 0.0, 0
-    print(f"{len(todo)} jobs to run in mode {mode.name} ({asdict(mode)['seeds']} seeds by default)", flush=True)
+    print(f"{len(todo)} jobs to run in mode {mode.name} (seeds {args.seeds or mode.seeds})", flush=True)
     # Spawned, not forked: a forked child cannot use CUDA. A job that fails is named and left out.
     pool = InProcess() if args.jobs == 1 else ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
     with pool:
@@ -255,7 +253,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="", help="comma-separated seeds (default: the mode's, 0-7 in full)")
     parser.add_argument("--reduced", action="store_true", help="the CPU version: 3 seeds, 150 problems, labelled")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 2 steps: a check that it works")
-    parser.add_argument("--eval-size", type=int, default=0, help="held-out problems (default: the mode's)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
