@@ -48,18 +48,19 @@ def stamp() -> dict[str, str]:
     return {"machine": machine(), "commit": commit(), "date": datetime.date.today().isoformat()}
 
 
-def read(name: str, root: Path = RESULTS) -> list[dict[str, Any]]:
-    """Every record of ``<root>/<name>.jsonl`` (none when the file is missing); ``root``: ``results/``
-    unless a run on another machine writes where its caller collects (e.g. a GPU call's $OUT)."""
-    path = Path(root) / f"{name}.jsonl"
+def read(name: str, root: Path | None = None) -> list[dict[str, Any]]:
+    """Every record of ``results/<name>.jsonl`` (none when the file is missing); ``root`` replaces
+    ``results/`` (a test's own folder)."""
+    path = (root or RESULTS) / f"{name}.jsonl"
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write(name: str, record: dict[str, Any], key: Iterable[str], root: Path = RESULTS) -> None:
-    """Append ``record`` to ``<root>/<name>.jsonl``, replacing the record equal on every ``key`` field."""
-    key, root = tuple(key), Path(root)
+def write(name: str, record: dict[str, Any], key: Iterable[str], root: Path | None = None) -> None:
+    """Append ``record`` to ``results/<name>.jsonl`` (``root`` replaces ``results/``), replacing the
+    record equal on every ``key`` field."""
+    key, root = tuple(key), root or RESULTS
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{name}.lock", "w") as lock:  # runs of one grid write from several processes
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -1,144 +1,269 @@
-"""Accuracy against KL on the default task: constant beta, the target controller and the budget.
+"""Accuracy against held-out KL, and what it costs elsewhere: constant beta, the budget, best-of-n.
 
-Each point is a full default ``tether train`` run (the embedded model, 16 steps, 150 held-out
-problems) with only the leash changed: constant beta in {0.05, 0.1, 0.2, 0.3},
-``kl_controller=target`` (target 3) and ``kl_controller=budget`` at targets {1, 2, 3, 4}, at
-each ``--seeds`` seed. A run whose ``summary.json`` already exists is read, not re-run, so the
-grid can be filled in parts; a run without one resumes from its newest checkpoint. Printed:
-held-out accuracy after training and the final exact KL per answer (held-out, and the training
-mean of the last 3 steps); the plot (``--plot``) draws accuracy against the held-out exact KL.
-``--jobs N`` runs N points at once, each in its own process (on one GPU the runs are host-bound).
+Each trained point is a default ``tether train`` run (the embedded model, 16 steps) with only the
+leash changed and 500 held-out problems: constant beta in {0, 0.05, 0.1, 0.2, 0.3}, the budget at
+targets 1-4 without and with ``kl_push``. After training, the forgetting axis
+(``tether.train.forgetting``): the exact KL on answers sampled for general chat prompts, and the
+share of rule-checked instructions followed. ``best-of-n-N`` points need no training: 32 sampled
+answers per held-out problem from the untrained policy, the best of the first N by the task's
+reward, at KL log N - (N-1)/N; ``base`` is the untrained policy (greedy). One JSON line per
+(point, seed) goes to ``benchmarks/results/frontier.jsonl``; ``tables.py`` builds docs/frontier.md.
 
-    python benchmarks/frontier.py                       # the whole grid, seed 0 (about 2 h on 2 cores)
-    python benchmarks/frontier.py --only constant,budget-t2   # a family, a point
-    python benchmarks/frontier.py --device cuda --dtype bfloat16 --threads 1 --jobs 18 --seeds 0,1
+A (point, seed) already recorded in the same mode is skipped, so calls fill the grid in parts;
+``--budget-seconds`` stops starting runs that would end after it. ``--reduced`` (CPU: 3 seeds,
+150 held-out problems, 64 chat prompts, 16 draws) and ``--quick`` (tiny model, 2 steps: the test)
+label their records ``mode``.
+
+    python benchmarks/frontier.py --device cuda --dtype bfloat16 --threads 1 --jobs 16 --budget-seconds 480
+    python benchmarks/frontier.py --reduced --only constant-0.1,budget-t2 --seeds 0
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from tether.train.config import TrainConfig
-from tether.train.recipe import train
+import _results
 
-GRID: dict[str, list[dict]] = {
-    "constant": [{"kl_controller": "constant", "kl_coef": b} for b in (0.05, 0.1, 0.2, 0.3)],
-    "target": [{"kl_controller": "target", "kl_target": 3.0}],
+RESULTS_NAME = "frontier"
+KEY = ("point", "seed", "mode")
+BEST_OF_N = (1, 2, 4, 8, 16, 32)
+
+
+def _budget(t: float, push: bool) -> dict[str, Any]:
     # The ceiling kl_bound must hold the band's top, 1.25 x the target: target 4 runs with a ceiling of 5.
-    "budget": [{"kl_controller": "budget", "kl_target": t, "kl_bound": max(4.0, 1.25 * t)} for t in (1.0, 2.0, 3.0, 4.0)],
+    return {"kl_controller": "budget", "kl_target": t, "kl_bound": max(4.0, 1.25 * t), "kl_push": push}
+
+
+# Point -> config overrides; None: a variant whose config fields have not landed yet (named, skipped).
+GRID: dict[str, dict[str, Any] | None] = {
+    **{f"constant-{b:g}": {"kl_controller": "constant", "kl_coef": b} for b in (0.0, 0.05, 0.1, 0.2, 0.3)},
+    **{f"budget-t{t:g}": _budget(t, False) for t in (1.0, 2.0, 3.0, 4.0)},
+    **{f"budget-push-t{t:g}": _budget(t, True) for t in (1.0, 2.0, 3.0, 4.0)},
+    **{f"budget-{v}-t{t:g}": None for v in ("moving", "avg") for t in (1.0, 2.0, 3.0, 4.0)},
+    "best-of-n": {},
 }
 
 
-def name(point: dict, seed: int) -> str:
-    knob = f"b{point['kl_coef']:g}" if point["kl_controller"] == "constant" else f"t{point['kl_target']:g}"
-    return f"{point['kl_controller']}-{knob}-s{seed}"
+@dataclass(frozen=True)
+class Mode:
+    """How big one run is: the label its records carry and what it spends."""
+
+    name: str
+    seeds: str
+    model: str = "default"
+    eval_size: int = 500
+    chat_prompts: int | None = None  # None: every prompt of the file
+    chat_tokens: int = 48
+    draws: int = 32
+    train: tuple[tuple[str, Any], ...] = ()  # config overrides of the mode itself
+
+    @property
+    def reduced(self) -> bool:
+        return self.name != "full"
 
 
-def run_point(point: dict, seed: int, args: argparse.Namespace) -> dict:
-    out = Path(args.out) / name(point, seed)
-    if not (out / "summary.json").is_file():
-        cfg = TrainConfig(seed=seed, threads=args.threads, device=args.device, dtype=args.dtype, out=str(out),
-                          overwrite=True).override({**point, **dict(kv.split("=", 1) for kv in args.set)})
-        # A run cut short (the grid spans sessions) continues from its newest checkpoint, bit-exact.
-        resume = any((out / "checkpoints").glob("step_*"))
-        train(TrainConfig.from_yaml(out / "config.yaml") if resume else cfg, resume=resume, progress=False)
-    return json.loads((out / "summary.json").read_text())
+MODES = {
+    "full": Mode("full", "0,1,2,3,4,5,6,7"),
+    "reduced": Mode("reduced", "0,1,2", eval_size=150, chat_prompts=64, draws=16),
+    "quick": Mode("quick", "0,1", model="tiny", eval_size=6, chat_prompts=4, chat_tokens=6, draws=4,
+                  train=(("steps", 2), ("prompts_per_step", 2), ("group_size", 3), ("max_new_tokens", 6),
+                         ("micro_batch_size", 6), ("eval_max_new_tokens", 6))),
+}
 
 
-def selected(only: str) -> list[tuple[str, dict]]:
-    """``(family, point)`` for each comma-separated family (``budget``) or point (``budget-t2``)."""
+def _cfg(point: str, seed: int, mode: Mode, args: argparse.Namespace):
+    from tether.train.config import TrainConfig
+
+    base = TrainConfig(model=mode.model, seed=seed, threads=args.threads, device=args.device, dtype=args.dtype,
+                       out=str(Path(args.out) / mode.name / f"{point}-s{seed}"), overwrite=True,
+                       eval_size=mode.eval_size, checkpoint_every=0)
+    sets = dict(kv.split("=", 1) for kv in args.set)
+    return base.override({**dict(mode.train), **(GRID[point] or {}), **sets})
+
+
+def trained_point(point: str, seed: int, mode: Mode, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train one (point, seed) and measure it: held-out accuracy and KL, forgetting."""
+    from tether.train import forgetting
+    from tether.train.metrics import eval_seed
+    from tether.train.recipe import build_run, train
+
+    cfg, start = _cfg(point, seed, mode, args), time.perf_counter()
+    run = build_run(cfg, fresh=True)
+    summary = train(cfg, run=run, progress=False)
+    lost = forgetting.measure(run.models.policy, run.models.reference, run.models.tokenizer, run.task,
+                              prompts=mode.chat_prompts, max_new_tokens=mode.chat_tokens, temperature=cfg.temperature,
+                              seed=eval_seed(seed, cfg.steps) + 1)
+    return [{
+        "point": point, "seed": seed, "kl_coef": summary["final_kl_coef"], "kl_controller": cfg.kl_controller,
+        "kl_target": cfg.kl_target if cfg.kl_controller != "constant" else None, "kl_push": cfg.kl_push,
+        "heldout_accuracy": summary["accuracy_after"], "accuracy_before": summary["accuracy_before"],
+        "heldout_kl_sampled_per_seq": summary["eval_kl_sampled_per_seq"],
+        "heldout_kl_greedy_per_seq": summary["eval_kl_per_seq"],
+        "train_kl_exact_per_seq": summary["final_train_kl_exact_per_seq"], "steps": cfg.steps,
+        "steps_rejected": summary["steps_rejected"], "steps_over_kl_bound": summary["steps_over_kl_bound"],
+        "per_problem": summary["per_problem_after"], **_forgetting_fields(lost),
+        "seconds": time.perf_counter() - start,
+    }]
+
+
+def _forgetting_fields(lost) -> dict[str, Any]:
+    return {"forgetting_kl_sampled_per_seq": lost.kl_sampled_per_seq, "capability_rate": lost.capability_rate,
+            "capability_per_rule": lost.capability_per_rule, "chat_prompts": lost.prompts}
+
+
+def best_of_n_points(seed: int, mode: Mode, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The untrained policy: ``base`` (greedy accuracy, its capability) and best-of-n for every n."""
+    from tether.train import forgetting
+    from tether.train.best_of_n import best_of_n_correct, best_of_n_kl, sample_scored
+    from tether.train.metrics import evaluate
+    from tether.train.recipe import build_run
+
+    cfg, start = _cfg("best-of-n", seed, mode, args), time.perf_counter()
+    run = build_run(cfg, fresh=True)
+    policy, tokenizer = run.models.policy, run.models.tokenizer
+    greedy = evaluate(policy, None, tokenizer, run.task, run.held_out, max_new_tokens=cfg.eval_max_new_tokens,
+                      temperature=cfg.temperature, with_kl=False, reward=run.reward)
+    lost = forgetting.measure(policy, run.models.reference, tokenizer, run.task, prompts=mode.chat_prompts,
+                              max_new_tokens=mode.chat_tokens, temperature=cfg.temperature, seed=seed)
+    rewards, correct = sample_scored(policy, tokenizer, run.task, run.held_out, samples=mode.draws,
+                                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                     seed=1_000 + seed)
+    common = {"seed": seed, "kl_coef": None, "train_kl_exact_per_seq": None, "steps": 0}
+    records = [{**common, "point": "base", "heldout_accuracy": greedy.accuracy, "heldout_kl_sampled_per_seq": 0.0,
+                "per_problem": greedy.per_problem, **_forgetting_fields(lost)}]
+    for n in (n for n in BEST_OF_N if n <= mode.draws):
+        picked = best_of_n_correct(rewards, correct, n).float()
+        # Best-of-n is applied to the task's prompts only: elsewhere the model is the base (no forgetting).
+        records.append({**common, "point": f"best-of-n-{n}", "heldout_accuracy": float(picked.mean()),
+                        "heldout_kl_sampled_per_seq": best_of_n_kl(n), "per_problem": picked.tolist(),
+                        "forgetting_kl_sampled_per_seq": 0.0, "capability_rate": lost.capability_rate})
+    seconds = time.perf_counter() - start
+    return [{**r, "seconds": seconds} for r in records]
+
+
+def run_job(point: str, seed: int, mode: Mode, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One job in a worker process: its records, stamped with the code, machine and mode."""
+    import torch
+
+    torch.set_num_threads(max(args.threads, 1))
+    stamp = _results.stamp()  # the code the run ran, not the code when it ended
+    records = best_of_n_points(seed, mode, args) if point == "best-of-n" else trained_point(point, seed, mode, args)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else stamp["machine"]
+    extra = {"mode": mode.name, "reduced": mode.reduced, "model": mode.model, "eval_size": len(records[0]["per_problem"]),
+             "device": device, "dtype": args.dtype, "overrides": list(args.set)}
+    return [{**r, **stamp, **extra} for r in records]
+
+
+class InProcess:
+    """``--jobs 1``: each job in this process (no spawned start-up), behind the pool's interface."""
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - handed over as the pool would
+            future.set_exception(exc)
+        return future
+
+    def __enter__(self) -> "InProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def selected(only: str) -> list[str]:
+    """The points named by ``--only``: comma-separated point names or prefixes (``constant``, ``budget-t``)."""
     chosen = []
     for word in only.split(","):
-        family = word.split("-")[0]
-        points = [p for p in GRID.get(family, []) if word == family or name(p, 0)[:-3] == word]
+        points = [p for p in GRID if p == word or p.startswith(word + "-") or (word.endswith("-") and p.startswith(word))]
         if not points:
-            known = [*GRID, *(name(p, 0)[:-3] for ps in GRID.values() for p in ps)]
-            raise SystemExit(f"--only: {word!r} is no family or point; expected some of {known}")
-        chosen += [(family, p) for p in points]
+            raise SystemExit(f"--only: {word!r} names no point; expected a point or a prefix of one of {list(GRID)}")
+        chosen += [p for p in points if p not in chosen]
     return chosen
 
 
-def plot(rows: list[tuple[str, dict, dict]], path: Path) -> None:
-    """Each run a faint marker; each point's mean over its seeds a solid one with ±1 sd bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(5.6, 4.0))
-    for family, marker in (("constant", "o"), ("target", "s"), ("budget", "^")):
-        runs: dict[str, tuple[dict, list[tuple[float, float]]]] = {}
-        for f, p, s in rows:
-            if f == family:
-                runs.setdefault(name(p, 0), (p, []))[1].append((s["eval_kl_per_seq"], 100 * s["accuracy_after"]))
-        if not runs:
-            continue
-        means = sorted((*np.mean(xy, 0), *np.std(xy, 0, ddof=min(1, len(xy) - 1)), p, np.array(xy))
-                       for p, xy in runs.values())
-        line = ax.errorbar([m[0] for m in means], [m[1] for m in means], xerr=[m[2] for m in means],
-                           yerr=[m[3] for m in means], marker=marker, capsize=2, elinewidth=0.8,
-                           linestyle="-" if family != "target" else "", label=family)
-        for x, y, _, _, p, xy in means:
-            ax.scatter(xy[:, 0], xy[:, 1], marker=marker, s=12, alpha=0.3, color=line.lines[0].get_color())
-            ax.annotate(f"β {p['kl_coef']:g}" if family == "constant" else f"{p['kl_target']:g}", (x, y),
-                        fontsize=7, textcoords="offset points", xytext=(4, -9))
-    ax.set_xlabel("held-out exact KL to the reference per answer (nats)")
-    ax.set_ylabel("held-out accuracy after 16 steps (%)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def plan(args: argparse.Namespace, mode: Mode, root: Path | None) -> list[tuple[str, int]]:
+    """The (point, seed) jobs still missing a record in this mode, seed-major: each call spreads over points."""
+    done = {(r["point"], r["seed"]) for r in _results.read(RESULTS_NAME, root) if r.get("mode") == mode.name}
+    todo = []
+    for seed in map(int, (args.seeds or mode.seeds).split(",")):
+        for point in selected(args.only):
+            if GRID[point] is None:
+                continue
+            recorded = ("best-of-n-1" if point == "best-of-n" else point, seed) in done
+            if not recorded:
+                todo.append((point, seed))
+    return todo
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mode = MODES["quick" if args.quick else "reduced" if args.reduced else "full"]
+    root = Path(args.results) if args.results else None
+    skipped = [p for p in selected(args.only) if GRID[p] is None]
+    if skipped:
+        print(f"not run (their config fields are not in TrainConfig yet): {', '.join(skipped)}", flush=True)
+    todo, start, longest, failed = plan(args, mode, root), time.monotonic(), 0.0, 0
+    print(f"{len(todo)} jobs to run in mode {mode.name} (seeds {args.seeds or mode.seeds})", flush=True)
+    # Spawned, not forked: a forked child cannot use CUDA. A job that fails is named and left out.
+    pool = InProcess() if args.jobs == 1 else ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    with pool:
+        running: dict[Any, tuple[str, int, float]] = {}
+        while todo or running:
+            elapsed = time.monotonic() - start
+            while todo and len(running) < args.jobs and (not args.budget_seconds or elapsed + longest < args.budget_seconds):
+                point, seed = todo.pop(0)
+                running[pool.submit(run_job, point, seed, mode, args)] = (point, seed, time.monotonic())
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                point, seed, began = running.pop(future)
+                longest = max(longest, time.monotonic() - began)
+                try:
+                    records = future.result()
+                except Exception as exc:  # noqa: BLE001 - one broken run must not lose the others' records
+                    failed += 1
+                    print(f"{point} seed {seed}: failed: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                for record in records:
+                    _results.write(RESULTS_NAME, record, KEY, root)
+                    print(_line(record), flush=True)
+    print(f"{len(todo)} jobs left for a later call; {failed} failed; {time.monotonic() - start:.0f} s", flush=True)
+    return 1 if failed else 0
+
+
+def _line(r: dict[str, Any]) -> str:
+    forgetting = "" if r.get("capability_rate") is None else (
+        f", chat KL {r['forgetting_kl_sampled_per_seq']:.2f}, instructions {100 * r['capability_rate']:.0f} %")
+    return (f"{r['point']} seed {r['seed']}: accuracy {100 * r['heldout_accuracy']:.1f} %, held-out KL "
+            f"{r['heldout_kl_sampled_per_seq']:.2f}{forgetting}, {r['seconds']:.0f} s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(GRID),
-                        help="comma-separated families (constant,target,budget) or points (budget-t2)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default=",".join(GRID), help="comma-separated points or prefixes (constant, budget-t2)")
+    parser.add_argument("--seeds", default="", help="comma-separated seeds (default: the mode's, 0-7 in full)")
+    parser.add_argument("--reduced", action="store_true", help="the CPU version: 3 seeds, 150 problems, labelled")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 2 steps: a check that it works")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides on every point")
-    parser.add_argument("--jobs", type=int, default=1, help="points run at once, each in its own process")
-    parser.add_argument("--out", default="runs/frontier")
-    parser.add_argument("--json", default="", help="every point's summary and per-step metrics into one file")
-    parser.add_argument("--plot", default="", help="PNG path of the accuracy-KL plot (every run found in --out)")
-    args = parser.parse_args(argv)
-    grid = [(family, point, seed) for family, point in selected(args.only) for seed in map(int, args.seeds.split(","))]
-    # Spawned, not forked: a forked child cannot use CUDA. A point that fails is named and left out.
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(run_point, p, s, args) for _, p, s in grid]
-        summaries = []
-        for (_, point, seed), future in zip(grid, futures):
-            try:
-                summaries.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - one broken run must not lose the others' points
-                print(f"{name(point, seed)}: failed: {type(exc).__name__}: {exc}", flush=True)
-                summaries.append(None)
-    rows = []
-    print("| leash | seed | accuracy before | accuracy after | held-out exact KL | training exact KL (last 3) | over bound |")
-    print("|---|---|---|---|---|---|---|")
-    for (family, point, seed), s in zip(grid, summaries):
-        if s is None:
-            continue
-        rows.append((family, point, s))
-        print(f"| {name(point, seed)[:-3]} | {seed} | {100 * s['accuracy_before']:.1f} % | "
-              f"{100 * s['accuracy_after']:.1f} % | {s['eval_kl_per_seq']:.2f} | "
-              f"{s['final_train_kl_exact_per_seq']:.2f} | {s['steps_over_kl_bound']} |", flush=True)
-    if args.json:
-        steps = {name(p, seed): [json.loads(line) for line in (Path(args.out) / name(p, seed) / "metrics.jsonl").open()]
-                 for (_, p, seed), s in zip(grid, summaries) if s is not None}
-        Path(args.json).write_text(json.dumps({"summaries": {name(p, seed): s for (_, p, seed), s in zip(grid, summaries)},
-                                               "steps": steps}, indent=1))
-    if args.plot:
-        plot(rows, Path(args.plot))
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
+    parser.add_argument("--budget-seconds", type=float, default=0,
+                        help="start no run that the longest so far says would end after this many seconds (0: no limit)")
+    parser.add_argument("--out", default="runs/frontier", help="the run directories (one per point and seed)")
+    parser.add_argument("--results", default="", help="folder of frontier.jsonl (default: benchmarks/results)")
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

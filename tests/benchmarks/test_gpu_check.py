@@ -46,7 +46,7 @@ def test_dry_run_exits_cleanly_and_records_every_stage(dry_run):
     assert all(r["status"] in gpu_check.STATUSES for r in report["stages"].values())
     assert report["device"]["cuda_available"] is False and report["packages"]["torch"]
     log = (out / "gpu_check.log").read_text()
-    for name in ("cuda-tests", "parity", "nccl", "train", "bench-llama-1b"):
+    for name in ("cuda-tests", "parity", "nccl", "train", "bench-llama-1b", "frontier"):
         assert f"=== {name}: " in log
 
 
@@ -84,6 +84,21 @@ def test_dry_run_parity_nccl_and_train_ran_on_the_cpu(dry_run):
                 "eval_kl_per_seq"):
         assert _finite(train[key]), key
     assert train["median_tokens_per_s_per_gpu"] > 0
+
+
+def test_dry_run_frontier_writes_its_records_under_out(dry_run):
+    """The quick frontier (tiny model): constant-0.1, base and best-of-n 1, 2, 4 at seed 0, five
+    records with the SPEC keys in $OUT/frontier/frontier.jsonl, nothing left for a later call."""
+    _, report, out = dry_run
+    stage = report["stages"]["frontier"]
+    assert stage["status"] == "ran", stage
+    figures = stage["figures"]
+    assert figures["new_records"] == 5 and "0 jobs left" in figures["summary"]
+    records = [json.loads(line) for line in (out / "frontier" / "frontier.jsonl").read_text().splitlines()]
+    quick = [r for r in records if r["mode"] == "quick"]
+    assert sorted(r["point"] for r in quick) == ["base", "best-of-n-1", "best-of-n-2", "best-of-n-4", "constant-0.1"]
+    assert all(len(r["per_problem"]) == r["eval_size"] for r in quick)
+    assert report["headline"]["frontier"]["new_records"] == 5
 
 
 def test_dry_run_bench_reports_nemo_rl_tokens_and_generation_share(dry_run):

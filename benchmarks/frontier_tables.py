@@ -1,0 +1,171 @@
+"""The frontier page's tables and plot, from ``benchmarks/results/frontier.jsonl`` (``tables.py`` runs them).
+
+Each point: its mean over seeds and 95 % t interval of held-out accuracy and held-out KL, the
+gain over the untrained model, the forgetting axis, and its residual against the constant-beta
+curve. The curve: the constant-beta points' means (beta = 0 included), ordered by mean KL and
+joined by straight lines, its end segments extended beyond them; a run's residual is its accuracy
+less the curve at its own KL, and a point's residual is the mean and t interval of its runs'.
+The interval is over seeds only: the curve's own noise is not in it. Records of ``--quick``
+runs are never shown; ``--reduced`` ones get their own, labelled table.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import _results
+from _stats import interval
+
+PLOT = "docs/frontier.png"
+
+
+def _family(point: str) -> str:
+    """``budget-push-t2`` -> ``budget-push``, ``constant-0.1`` -> ``constant``, ``base`` -> ``base``."""
+    return re.sub(r"-t?[\d.]+$", "", point)
+
+
+def curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """``(mean KL, mean accuracy)`` of each constant-beta point, by KL: the curve's knots."""
+    points: dict[str, list[dict]] = {}
+    for r in records:
+        if r["point"].startswith("constant-"):
+            points.setdefault(r["point"], []).append(r)
+    knots = [(sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs), sum(r["heldout_accuracy"] for r in rs) / len(rs))
+             for rs in points.values()]
+    return sorted(knots)
+
+
+def on_curve(knots: list[tuple[float, float]], kl: float) -> float:
+    """The curve's accuracy at ``kl``: linear between the knots around it, the end segments extended."""
+    if len(knots) < 2:
+        raise ValueError(f"knots: expected at least two constant-beta points to draw a curve, got {len(knots)}.")
+    i = 1
+    while i < len(knots) - 1 and kl > knots[i][0]:
+        i += 1
+    (x0, y0), (x1, y1) = knots[i - 1], knots[i]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (kl - x0) / (x1 - x0)
+
+
+def _cell(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    values = [scale * v for v in values if v is not None]
+    if not values:
+        return "–"
+    mean, low, high = interval(values)
+    return fmt.format(mean) if math.isnan(low) else f"{fmt.format(mean)} ({fmt.format(low)} to {fmt.format(high)})"
+
+
+def _order(point: str) -> tuple:
+    number = re.search(r"([\d.]+)$", point)
+    return ({"base": 0, "constant": 1, "budget": 2, "budget-push": 3, "best-of-n": 5}.get(_family(point), 4),
+            _family(point), float(number.group(1)) if number else 0.0)
+
+
+def points_table(records: list[dict[str, Any]], mode: str) -> str:
+    """One row per point of ``mode``'s records: means and 95 % intervals over the seeds."""
+    records = [r for r in records if r.get("mode") == mode]
+    if not records:
+        return f"No {mode} frontier runs recorded yet (`python benchmarks/frontier.py{'' if mode == 'full' else ' --' + mode}`)."
+    knots = curve(records)
+    base = {r["seed"]: r["heldout_accuracy"] for r in records if r["point"] == "base"}
+    lines = ["| point | seeds | held-out accuracy, % | gain over the untrained model, points | held-out KL, sampled "
+             "(nats / answer) | residual vs constant β, points | chat-prompt KL (nats / answer) | instructions followed, % |",
+             "|---|---|---|---|---|---|---|---|"]
+    by_point: dict[str, list[dict]] = {}
+    for r in records:
+        by_point.setdefault(r["point"], []).append(r)
+    for point in sorted(by_point, key=_order):
+        rs = sorted(by_point[point], key=lambda r: r["seed"])
+        gains = [r["heldout_accuracy"] - base[r["seed"]] for r in rs if r["seed"] in base]
+        residual = "–" if len(knots) < 2 or point.startswith("constant-") else _cell(
+            [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in rs], 100, "{:+.1f}")
+        outside = knots and not point.startswith("constant-") and not (
+            knots[0][0] <= sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs) <= knots[-1][0])
+        lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')} "
+                     f"| {_cell([r['heldout_kl_sampled_per_seq'] for r in rs], fmt='{:.2f}')} | {residual}"
+                     f"{' (extrapolated)' if outside and residual != '–' else ''} "
+                     f"| {_cell([r.get('forgetting_kl_sampled_per_seq') for r in rs], fmt='{:.2f}')} "
+                     f"| {_cell([r.get('capability_rate') for r in rs], 100)} |")
+    return "\n".join(lines) + "\n\n" + provenance(records) + (f"\n\n![The frontier, {mode} runs](frontier.png)"
+                                                              if mode == _plotted_mode(_results.read("frontier")) else "")
+
+
+def provenance(records: list[dict[str, Any]]) -> str:
+    """Where, when and at what size the records ran."""
+    stamps = sorted({(r["device"], r["dtype"], r["commit"], r["date"]) for r in records})
+    sizes = sorted({(r["model"], r["eval_size"], r.get("chat_prompts")) for r in records if r.get("chat_prompts")})
+    where = "; ".join(f"{d} ({t}), commit {c}, {when}" for d, t, c, when in stamps)
+    size = "; ".join(f"model {m}, {e} held-out problems, {c} chat prompts" for m, e, c in sizes)
+    return f"{len(records)} records: {size}. Ran on {where}."
+
+
+def _plotted_mode(records: list[dict[str, Any]]) -> str | None:
+    modes = {r.get("mode") for r in records}
+    return "full" if "full" in modes else "reduced" if "reduced" in modes else None
+
+
+def plot(path: Path) -> None:
+    """Accuracy against held-out KL (each point's mean with 95 % bars, the constant-beta curve,
+    best-of-n as a line) and accuracy gain against the chat-prompt KL; nothing without records."""
+    records = _results.read("frontier")
+    mode = _plotted_mode(records)
+    if mode is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in records if r.get("mode") == mode]
+    base = {r["seed"]: r["heldout_accuracy"] for r in records if r["point"] == "base"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    families: dict[str, dict[str, list[dict]]] = {}
+    for r in records:
+        families.setdefault(_family(r["point"]), {}).setdefault(r["point"], []).append(r)
+    for family, points in sorted(families.items()):
+        rows = sorted((_summary(rs, "heldout_kl_sampled_per_seq"), _summary(rs, "heldout_accuracy", 100),
+                       _gains(rs, base), _summary(rs, "forgetting_kl_sampled_per_seq")) for rs in points.values())
+        style = "-" if family in ("constant", "best-of-n") else ":"
+        _bars(left, [x for x, _, _, _ in rows], [y for _, y, _, _ in rows], family, style)
+        _bars(right, [f for _, _, _, f in rows], [g for _, _, g, _ in rows], family, "")
+    left.set_xlabel("held-out KL of sampled answers to the reference (nats / answer)")
+    left.set_ylabel("held-out accuracy (%)")
+    right.set_xlabel("chat-prompt KL of sampled answers (nats / answer): forgetting")
+    right.set_ylabel("accuracy gain over the untrained model (points)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle(f"{mode} runs: means with 95 % intervals over seeds", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _summary(rs: list[dict], key: str, scale: float = 1.0) -> tuple[float, float]:
+    values = [scale * r[key] for r in rs if r.get(key) is not None]
+    if not values:
+        return math.nan, 0.0
+    mean, low, _ = interval(values)
+    return mean, 0.0 if math.isnan(low) else mean - low
+
+
+def _gains(rs: list[dict], base: dict[int, float]) -> tuple[float, float]:
+    gains = [100 * (r["heldout_accuracy"] - base[r["seed"]]) for r in rs if r["seed"] in base]
+    if not gains:
+        return math.nan, 0.0
+    mean, low, _ = interval(gains)
+    return mean, 0.0 if math.isnan(low) else mean - low
+
+
+def _bars(ax, xs: list[tuple[float, float]], ys: list[tuple[float, float]], label: str, style: str) -> None:
+    ax.errorbar([x for x, _ in xs], [y for y, _ in ys], xerr=[e for _, e in xs], yerr=[e for _, e in ys],
+                marker="o", markersize=4, capsize=2, elinewidth=0.8, linestyle=style or "none", label=label)
+
+
+TABLES: dict[str, tuple[str, Callable[[], str]]] = {
+    "frontier-points": ("docs/frontier.md", lambda: points_table(_results.read("frontier"), "full")),
+    "frontier-reduced": ("docs/frontier.md", lambda: points_table(_results.read("frontier"), "reduced")),
+}
+PLOTS: dict[str, Callable[[Path], None]] = {PLOT: plot}

@@ -1,0 +1,74 @@
+"""benchmarks/frontier.py --quick end to end on the tiny model: one record per (point, seed) with
+SPEC section 13's keys, the forgetting axis and each held-out problem's correctness; best-of-n at
+its analytic KL; a second call skips what is recorded; the time budget leaves jobs for later."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import _results  # noqa: E402
+import frontier  # noqa: E402
+
+SPEC_KEYS = {"point", "seed", "kl_coef", "heldout_accuracy", "heldout_kl_sampled_per_seq", "train_kl_exact_per_seq",
+             "steps", "per_problem"}
+ALSO = {"forgetting_kl_sampled_per_seq", "capability_rate", "mode", "reduced", "commit", "machine", "date"}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("frontier")
+    argv = ["--quick", "--only", "constant-0.1,best-of-n", "--seeds", "0", "--out", str(tmp / "runs"),
+            "--results", str(tmp / "results")]
+    assert frontier.main(argv) == 0
+    return tmp, argv, {r["point"]: r for r in _results.read("frontier", tmp / "results")}
+
+
+def test_each_record_has_the_spec_keys_and_one_verdict_per_heldout_problem(recorded):
+    _, _, records = recorded
+    assert set(records) == {"constant-0.1", "base", "best-of-n-1", "best-of-n-2", "best-of-n-4"}
+    for r in records.values():
+        assert SPEC_KEYS | ALSO <= set(r), r["point"]
+        assert len(r["per_problem"]) == r["eval_size"] == frontier.MODES["quick"].eval_size
+        assert set(r["per_problem"]) <= {0.0, 1.0} and r["heldout_accuracy"] == pytest.approx(
+            sum(r["per_problem"]) / len(r["per_problem"]))
+        assert r["mode"] == "quick" and r["reduced"] is True and r["seed"] == 0
+    trained = records["constant-0.1"]
+    assert trained["kl_coef"] == 0.1 and trained["steps"] == 2 and trained["heldout_kl_sampled_per_seq"] > 0
+    assert trained["forgetting_kl_sampled_per_seq"] > 0 and 0 <= trained["capability_rate"] <= 1
+    assert records["base"]["forgetting_kl_sampled_per_seq"] == 0.0  # the reference against itself
+
+
+def test_best_of_n_sits_at_the_analytic_kl_and_never_loses_accuracy_as_n_grows(recorded):
+    """The draws are nested (the best of the first n), so a problem right at n stays right at 2n."""
+    _, _, records = recorded
+    for n in (1, 2, 4):
+        assert records[f"best-of-n-{n}"]["heldout_kl_sampled_per_seq"] == pytest.approx(math.log(n) - (n - 1) / n)
+    for small, large in ((1, 2), (2, 4)):
+        a, b = records[f"best-of-n-{small}"]["per_problem"], records[f"best-of-n-{large}"]["per_problem"]
+        assert all(x <= y for x, y in zip(a, b))
+
+
+def test_a_second_call_skips_the_recorded_jobs_and_a_budget_leaves_the_rest(recorded, capsys):
+    tmp, argv, _ = recorded
+    assert frontier.plan(frontier.parse_args(argv), frontier.MODES["quick"], tmp / "results") == []
+    args = frontier.parse_args(["--quick", "--only", "constant-0,constant-0.1,budget-t1", "--seeds", "0"])
+    assert frontier.plan(args, frontier.MODES["quick"], tmp / "results") == [("constant-0", 0), ("budget-t1", 0)]
+    # A budget shorter than one run: the first job runs, the second is left for a later call.
+    budget = [*argv[:2], "constant-0,budget-t1", *argv[3:], "--budget-seconds", "0.5"]
+    assert frontier.main(budget) == 0
+    assert "1 jobs left for a later call" in capsys.readouterr().out
+    assert {r["point"] for r in _results.read("frontier", tmp / "results")} >= {"constant-0"}
+
+
+def test_points_waiting_for_their_config_fields_are_named_not_run_and_a_bad_name_is_refused():
+    assert frontier.GRID["budget-moving-t2"] is None and frontier.GRID["budget-avg-t4"] is None
+    assert frontier.selected("budget-push") == [f"budget-push-t{t}" for t in (1, 2, 3, 4)]
+    assert frontier.plan(frontier.parse_args(["--only", "budget-moving", "--seeds", "0"]), frontier.MODES["full"],
+                         Path("/nonexistent")) == []
+    with pytest.raises(SystemExit, match="--only: 'beta' names no point"):
+        frontier.selected("beta")
