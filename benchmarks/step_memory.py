@@ -9,7 +9,8 @@ clip and the step), the budget's start copy (``mark_step_start``), its readings
 high-water mark of the resident set (``VmHWM``, reset by writing ``5`` to
 ``/proc/self/clear_refs`` whenever a phase is entered or left, ``_common``'s mechanism): exact,
 no sampling, every allocation that touched memory counts. Freed memory that malloc keeps counts
-as resident, as it does for the process. ``resident_in`` is the resident set as the phase starts.
+as resident, as it does for the process. ``resident_in`` is the resident set as the phase starts; the measured step's wall and CPU seconds
+come with them (the machines are shared: CPU seconds are the steadier figure).
 ``--model llama-1b4`` is a random Llama of the 1B shape cut to 4 layers (``random_llama.py``).
 
     python benchmarks/step_memory.py --label after                       # the default step (LoRA)
@@ -23,6 +24,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,8 +113,10 @@ def measure(args: argparse.Namespace) -> dict:
     recipe.train_step(run, 0, recipe.sample)
     phases = PhasePeaks()
     originals = staged(recipe, lambda name, fn: phases.wrap(WRAPPED[name], fn), names=tuple(WRAPPED))
+    wall, cpu = time.perf_counter(), time.process_time()
     try:
         phases.wrap("step", lambda: recipe.train_step(run, 1, recipe.sample))()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     finally:
         staged(recipe, lambda name, _: originals[name], names=tuple(WRAPPED))
     phases.peak["other"] = max(phases.peak.get("other", 0), phases.peak.pop("step", 0))
@@ -121,7 +125,7 @@ def measure(args: argparse.Namespace) -> dict:
         "model": args.model, "mode": "LoRA" if cfg.lora_rank else "full", "dtype": cfg.dtype,
         "prompts": cfg.prompts_per_step, "group": cfg.group_size, "max_new_tokens": cfg.max_new_tokens,
         "micro_batch_size": cfg.micro_batch_size, "settings": sorted(args.set), "threads": 1,
-        "peak_source": phases.source, "loaded_bytes": loaded, "step_peak_bytes": max(phases.peak.values()),
+        "peak_source": phases.source, "step_s": wall, "step_cpu_s": cpu, "loaded_bytes": loaded, "step_peak_bytes": max(phases.peak.values()),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
         "trainable_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         "phases": {name: {"peak_bytes": phases.peak.get(name, 0), "resident_in_bytes": phases.resident_in.get(name, 0)}

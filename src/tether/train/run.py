@@ -41,6 +41,7 @@ from tether.train.checkpoint import (BestEval, best_root, check_new_run_dir, che
                                      newest_intact, open_checkpoint, periodic_eval, read_state, save_checkpoint,
                                      write_config, write_run_start)
 from tether.train.config import TrainConfig
+from tether.train.host_memory import fix_mmap_threshold
 from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, plot_metrics, summarize
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
 from tether.train.run_state import restarts
@@ -131,6 +132,8 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
     task = dataset_task(cfg, inputs.rows, inputs.eval_rows) if cfg.dataset else load_task(cfg.task)
     functions = reward_functions(cfg, task, inputs.functions)  # before the models: a dataset lacking a column fails first
     models = build_models(cfg)
+    if models.device.type == "cpu":  # the steps' tensors live in host memory: freed blocks go back to the OS
+        fix_mmap_threshold(cfg.host_mmap_threshold)
     shard_models(models, ranks)  # before the optimizer takes the parameters
     tok = models.tokenizer
     check_prompt_format(cfg.prompt_format, tok, cfg.model)
