@@ -48,9 +48,14 @@ def stamp() -> dict[str, str]:
     return {"machine": machine(), "commit": commit(), "date": datetime.date.today().isoformat()}
 
 
+def _path(name: str) -> Path:
+    """``results/<name>.jsonl``, or ``name`` itself when it is a path ending in ``.jsonl`` (a run's own file)."""
+    return Path(name) if name.endswith(".jsonl") else RESULTS / f"{name}.jsonl"
+
+
 def read(name: str) -> list[dict[str, Any]]:
     """Every record of ``results/<name>.jsonl`` (none when the file is missing)."""
-    path = RESULTS / f"{name}.jsonl"
+    path = _path(name)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -58,11 +63,11 @@ def read(name: str) -> list[dict[str, Any]]:
 
 def write(name: str, record: dict[str, Any], key: Iterable[str]) -> None:
     """Append ``record`` to ``results/<name>.jsonl``, replacing the record equal on every ``key`` field."""
-    key = tuple(key)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / f".{name}.lock", "w") as lock:  # runs of one grid write from several processes
+    key, path = tuple(key), _path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.stem}.lock", "w") as lock:  # runs of one grid write from several processes
         fcntl.flock(lock, fcntl.LOCK_EX)
         kept = [r for r in read(name) if any(r.get(k) != record.get(k) for k in key)]
-        tmp = RESULTS / f".{name}.jsonl.tmp"
+        tmp = path.parent / f".{path.name}.tmp"
         tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [*kept, record]))
-        tmp.replace(RESULTS / f"{name}.jsonl")
+        tmp.replace(path)

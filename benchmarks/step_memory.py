@@ -134,15 +134,18 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """Peak resident MiB per phase, one row a (model, mode, label); the largest phase in bold."""
+    """Peak resident MiB per phase, one row a (model, mode, settings, label); the largest phase in
+    bold; the step's CPU seconds where the row has them."""
     lines = []
-    for r in sorted(rows, key=lambda r: (r["model"], r["mode"], r.get("label", ""))):
+    for r in sorted(rows, key=lambda r: (r["model"], r["mode"], r["settings"], r["label"] != "before")):
         peaks = {n: r["phases"][n]["peak_bytes"] for n in PHASES}
         top = max(peaks, key=peaks.get)
         cells = [f"**{peaks[n] / 2**20:,.0f}**" if n == top else f"{peaks[n] / 2**20:,.0f}" for n in PHASES]
-        lines.append([r["model"], r["mode"], f"{r['label']} ({r['commit']})", f"{r['loaded_bytes'] / 2**20:,.0f}",
-                      *cells])
-    return markdown_table(["model", "mode", "code", "loaded", *PHASES], lines)
+        code = f"{r['label']} ({r['commit']}{', ' + ' '.join(r['settings']) if r['settings'] else ''})"
+        cpu = f"{r['step_cpu_s']:.0f}" if "step_cpu_s" in r else ""
+        lines.append([r["model"], r["mode"], r["dtype"], f"{r['prompts']}×{r['group']}×{r['max_new_tokens']}", code,
+                      f"{r['loaded_bytes'] / 2**20:,.0f}", *cells, cpu])
+    return markdown_table(["model", "mode", "dtype", "step", "code", "loaded", *PHASES, "step CPU s"], lines)
 
 
 def main(argv=None) -> dict:
@@ -155,7 +158,7 @@ def main(argv=None) -> dict:
         _results.write("step_memory", row, key=("model", "mode", "dtype", "settings", "label"))
     print(f"{args.model} {row['mode']} {row['dtype']}, {row['prompts']}x{row['group']}x{row['max_new_tokens']} tokens, "
           f"1 thread: peak resident MiB by phase ({row['peak_source']})\n")
-    print(table([{**row, "label": args.label or "-", "commit": row.get("commit", "-")}]))
+    print(table([{"label": "-", "commit": "-", **row}]))
     return row
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
+import step_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
@@ -256,6 +257,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
     "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
+    "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
 }
 
 
