@@ -48,23 +48,27 @@ def stamp() -> dict[str, str]:
     return {"machine": machine(), "commit": commit(), "date": datetime.date.today().isoformat()}
 
 
+def _path(name: str, root: Path | None = None) -> Path:
+    """``<root>/<name>.jsonl`` (``root``: ``results/`` unless a test or a GPU call's $OUT), or ``name``
+    itself when it is a path ending in ``.jsonl`` (a run's own file)."""
+    return Path(name) if name.endswith(".jsonl") else Path(root or RESULTS) / f"{name}.jsonl"
+
+
 def read(name: str, root: Path | None = None) -> list[dict[str, Any]]:
-    """Every record of ``results/<name>.jsonl`` (none when the file is missing); ``root`` replaces
-    ``results/`` (a test's own folder)."""
-    path = (root or RESULTS) / f"{name}.jsonl"
+    """Every record of ``name``'s file (none when the file is missing)."""
+    path = _path(name, root)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def write(name: str, record: dict[str, Any], key: Iterable[str], root: Path | None = None) -> None:
-    """Append ``record`` to ``results/<name>.jsonl`` (``root`` replaces ``results/``), replacing the
-    record equal on every ``key`` field."""
-    key, root = tuple(key), root or RESULTS
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as lock:  # runs of one grid write from several processes
+    """Append ``record`` to ``name``'s file, replacing the record equal on every ``key`` field."""
+    key, path = tuple(key), _path(name, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.stem}.lock", "w") as lock:  # runs of one grid write from several processes
         fcntl.flock(lock, fcntl.LOCK_EX)
         kept = [r for r in read(name, root) if any(r.get(k) != record.get(k) for k in key)]
-        tmp = root / f".{name}.jsonl.tmp"
+        tmp = path.parent / f".{path.name}.tmp"
         tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [*kept, record]))
-        tmp.replace(root / f"{name}.jsonl")
+        tmp.replace(path)

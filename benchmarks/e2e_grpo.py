@@ -154,35 +154,43 @@ def step_problems(cfg, n_steps: int) -> list:
 
 
 class PhaseClock:
-    """Wall seconds per phase within one step; ``wrap`` times every call of a function. On a GPU it
-    also keeps each phase's peak allocated memory (``gpu_peaks``), to say where a step's peak falls."""
+    """Wall seconds per phase within one step; ``wrap`` times every call of a function (a phase
+    called inside another counts in both). On a GPU it also keeps each phase's peak allocated
+    memory (``gpu_peaks``), to say where a step's peak falls: torch's peak is reset whenever a
+    phase is entered or left, and each interval's peak goes to the innermost phase open in it."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.gpu_peaks: dict[str, int] = {}
         self.high = 0  # the step's peak so far, kept across the phases' resets of torch's peak
         self.last: dict[str, object] = {}
+        self.open: list[str] = []
 
     def reset(self) -> None:
-        self.seconds, self.gpu_peaks, self.high, self.last = {}, {}, 0, {}
+        self.seconds, self.gpu_peaks, self.high, self.last, self.open = {}, {}, 0, {}, []
 
-    def wrap(self, name: str, fn):
+    def _interval(self) -> None:
         import torch
 
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        peak = torch.cuda.max_memory_allocated()
+        self.high = max(self.high, peak)
+        if self.open:
+            self.gpu_peaks[self.open[-1]] = max(self.gpu_peaks.get(self.open[-1], 0), peak)
+        torch.cuda.reset_peak_memory_stats()
+
+    def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
-            gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
-            if gpu:  # the phase's own peak; what came before it stays in ``high``
-                self.high = max(self.high, torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
+            self._interval()  # what came before belongs to the phase that was open
+            self.open.append(name)
             start = time.perf_counter()
             try:
                 result = fn(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-                if gpu:
-                    peak = torch.cuda.max_memory_allocated()
-                    self.gpu_peaks[name] = max(self.gpu_peaks.get(name, 0), peak)
-                    self.high = max(self.high, peak)
+                self._interval()
+                self.open.pop()
             self.last[name] = result
             return result
 
@@ -234,6 +242,11 @@ def setup_tether(work: dict, info_path: str):
     recipe.add_rewards = clock.wrap("rewards", recipe.add_rewards)
     recipe.add_reference = clock.wrap("reference", recipe.add_reference)
     recipe.accumulate_gradients = clock.wrap("loss", recipe.accumulate_gradients)
+    # inside "loss" (forward; the rest of it is backward) and after it: where the peak falls
+    recipe.token_terms = clock.wrap("loss_forward", recipe.token_terms)
+    recipe.optimize = clock.wrap("optimizer", recipe.optimize)
+    recipe.mark_step_start = clock.wrap("budget_start", recipe.mark_step_start)
+    recipe.hold_kl_budget = clock.wrap("readings", recipe.hold_kl_budget)
     counter = itertools.count()
 
     def step() -> None:
@@ -251,11 +264,15 @@ def setup_tether(work: dict, info_path: str):
             "loss": seconds["loss"],
         }
         phases["optimizer"] = wall - sum(phases.values())
+        detail = {name: seconds.get(name, 0.0) for name in ("loss_forward", "budget_start", "readings")}
+        detail["loss_backward"] = seconds["loss"] - detail["loss_forward"]
+        detail["optimizer_step"] = seconds["optimizer"] - seconds["loss"]  # clip and the step
         completion = record.assistant_mask.sum(-1).float()
         _append(info_path, {
             "tokens": int(record.attention_mask.sum()),
             "mean_completion": float(completion.mean()),
             "phases": phases,
+            "phase_detail": detail,
             "threads": torch.get_num_threads(),
             **_memory(clock),
         })

@@ -425,6 +425,7 @@ def _bench(check: Check, timeout_s: float, model: str) -> dict:
     variants = 1 if check.dry else 2 * len(check.args.bench_modes.split(","))
     command = check.python(str(HERE / "gpu_grpo.py"), "--model", model, *size, *words, "--json", str(result),
                            "--model-dir", str(check.work / f"model-{model}"),
+                           "--record", str(check.out / "gpu_grpo.jsonl"),  # rows for benchmarks/results/gpu_grpo.jsonl
                            "--timeout", str(int(timeout_s / variants)))
     check.sh(f"bench-{model}", command, timeout_s)
     figures = json.loads(result.read_text())

@@ -11,7 +11,9 @@ step wall time (the GPU synchronised), tokens/s per GPU as NeMo-RL counts it (al
 completion tokens of the step / step time / GPUs, here one), the share of the step spent
 generating, and the peak GPU memory of a timed step (``torch.cuda.max_memory_allocated``).
 Targets (issue 28): tether tokens/s >= 1.5x TRL's, peak GPU memory <= 0.7x. ``--json PATH``
-writes the figures after each variant.
+writes the figures after each variant; ``--record FILE`` appends one row a tool and mode with the
+keys of SPEC section 13 (``benchmarks/results/gpu_grpo.jsonl``'s: run, model, mode, tool,
+tokens_per_s, peak_gpu_memory_bytes, device, date, per-phase seconds and peak GPU memory).
 
 The newest H200 figures are in docs/gpu.md, earlier ones in docs/history/gpu-runs.md.
 
@@ -22,6 +24,7 @@ The newest H200 figures are in docs/gpu.md, earlier ones in docs/history/gpu-run
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -54,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-trl", action="store_true", help="tether rows only")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a variant's process is killed")
     p.add_argument("--json", default=None, help="write the figures to this file (after each variant)")
+    p.add_argument("--record", default=None, help="append one row a tool and mode to this JSONL file "
+                   "(SPEC section 13: benchmarks/results/gpu_grpo.jsonl's keys)")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(args.modes) - {"LoRA", "full"})
@@ -99,11 +104,27 @@ def figures(result: dict) -> dict:
         "median_step_s": s["wall"], "step_times_s": list(s["times"]), "tokens_per_step": s["tokens"],
         "tokens_per_s_per_gpu": s["tokens_per_s"] / GPUS, "generation_share": statistics.median(shares),
         "mean_completion_tokens": s["completion"], "phases_s": s["phases"],
+        # tether's loss pass split, the budget's copy and readings (medians over the timed steps)
+        "phase_detail_s": {name: statistics.median(r["phase_detail"][name] for r in records)
+                           for name in (records[0].get("phase_detail") or {})},
         "peak_gpu_memory_bytes": statistics.median(peaks) if peaks else None,
         # where the peak falls: each wrapped phase's largest peak over the timed steps
         "peak_gpu_memory_by_phase_bytes": {name: max(p[name] for p in by_phase if name in p)
                                            for name in sorted({n for p in by_phase for n in p})},
     }
+
+
+def spec_row(run: str, args: argparse.Namespace, device: str, key: str, f: dict) -> dict:
+    """One row of ``gpu_grpo.jsonl``: ``run`` names the bench run both tools' rows share."""
+    import _results
+
+    tool, mode = key.split("/")
+    return {"run": run, "model": args.model, "mode": mode.lower(), "tool": tool.lower(), "device": device,
+            "dtype": args.dtype, "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+            "tokens_per_s": f.get("tokens_per_s_per_gpu"), "peak_gpu_memory_bytes": f.get("peak_gpu_memory_bytes"),
+            "phases_s": {**f.get("phases_s", {}), **f.get("phase_detail_s", {})},
+            "peak_gpu_memory_by_phase_bytes": f.get("peak_gpu_memory_by_phase_bytes", {}),
+            **({"error": f["error"]} if "error" in f else {}), **_results.stamp()}
 
 
 def ratios(rows: dict) -> dict:
@@ -154,6 +175,7 @@ def main(argv=None) -> None:
             "steps": args.warmup + args.steps, "natural_lengths": False, "trl_gradient_checkpointing": False,
             "device": args.device, "dtype": args.dtype, "model": model}
     card = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    run = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}-{args.model}"
     report = {"model": args.model, "model_dir": model, "device": card, "dtype": args.dtype, "torch": torch.__version__,
               "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
               "steps": args.steps, "warmup": args.warmup, "gpus": GPUS, "rows": {}, "ratios": {}}
@@ -164,6 +186,11 @@ def main(argv=None) -> None:
             result = ({"error": why_not} if tool == "TRL" and why_not else
                       measure(tool, {**work, "lora": MODES[mode]}, args))
             report["rows"][f"{tool}/{mode}"] = figures(result)
+            if args.record:
+                import _results
+
+                row = spec_row(run, args, card, f"{tool}/{mode}", report["rows"][f"{tool}/{mode}"])
+                _results.write(args.record, row, key=("run", "tool", "mode"))
             if result.get("detail"):
                 print(f"{tool} ({mode}) failed:\n{result['detail'][-3000:]}", file=sys.stderr)
             report["ratios"] = ratios(report["rows"])

@@ -38,6 +38,7 @@ class LlamaShape:
 
 SHAPES = {
     "1b": LlamaShape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
+    "1b4": LlamaShape(hidden=2048, layers=4, heads=32, kv_heads=8, intermediate=8192),  # 1B's layers, 4 of them: CPU memory runs
     "tiny": LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
 }
 

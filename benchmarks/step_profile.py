@@ -54,9 +54,9 @@ def matmul_ceiling(rows: int, inner: int, cols: int, seconds: float) -> float:
     return flops / best / 1e9
 
 
-def staged(recipe, wrap) -> dict:
-    """Replace each stage of ``recipe`` with ``wrap(name, fn)``; returns the originals."""
-    originals = {name: getattr(recipe, name) for name in STAGES}
+def staged(recipe, wrap, names=STAGES) -> dict:
+    """Replace each stage ``names`` of ``recipe`` with ``wrap(name, fn)``; returns the originals."""
+    originals = {name: getattr(recipe, name) for name in names}
     for name, fn in originals.items():
         setattr(recipe, name, wrap(name, fn))
     return originals

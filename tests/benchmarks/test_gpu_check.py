@@ -111,6 +111,14 @@ def test_dry_run_bench_reports_nemo_rl_tokens_and_generation_share(dry_run):
     assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_step"] / row["median_step_s"] / f["gpus"])
     assert 0 < row["generation_share"] < 1 and row["mean_completion_tokens"] == f["max_new_tokens"]
     assert row["peak_gpu_memory_bytes"] is None  # no GPU: no figure is made up
+    # the row of benchmarks/results/gpu_grpo.jsonl (SPEC section 13), with the loss pass split
+    (spec,) = [json.loads(line) for line in (dry_run[2] / "gpu_grpo.jsonl").read_text().splitlines()]
+    assert (spec["model"], spec["mode"], spec["tool"], spec["device"]) == ("llama-tiny", "lora", "tether", "CPU")
+    assert spec["tokens_per_s"] == row["tokens_per_s_per_gpu"] and spec["peak_gpu_memory_bytes"] is None
+    assert spec["run"].endswith("-llama-tiny") and spec["date"] and spec["commit"]
+    phases = spec["phases_s"]
+    assert phases["loss_forward"] + phases["loss_backward"] == pytest.approx(phases["loss"])
+    assert 0 < phases["loss_forward"] < phases["loss"] and phases["readings"] > 0
     headline = dry_run[1]["headline"]
     assert headline["bench-llama-1b"]["rows"]["tether/LoRA"]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
 

@@ -200,3 +200,16 @@ def test_loss_variants_reach_the_loss(tmp_path):
     assert all(bool((r == r[0]).all()) for r in rows if r.numel())
     assert any(bool(r.all()) and r.numel() for r in rows)
     assert math.isfinite(float(second.policy.sum()))
+
+
+def test_the_spent_gradients_are_dropped_after_the_updates(tmp_path):
+    """After the step's updates no trainable weight holds a gradient: kept, they would stay resident
+    beside the budget's copies through its readings and the next step's sampling (one more copy of
+    the trainable weights). The updates took them first: both mini-batches moved the weights."""
+    run = build_run(tiny_cfg(tmp_path / "run", updates_per_rollout=2, learning_rate=1e-2))
+    before = {n: p.detach().clone() for n, p in run.models.policy.named_parameters() if p.requires_grad}
+    optimize(run, _scored_batch(run), 0)
+    trained = {n: p for n, p in run.models.policy.named_parameters() if p.requires_grad}
+    assert trained and all(p.grad is None for p in trained.values())
+    assert all(not torch.equal(before[n], p) for n, p in trained.items() if "lora_B" in n or "lora" not in n)
+    assert run.optimizer.state[next(iter(trained.values()))]["step"] == 2

@@ -165,6 +165,9 @@ def optimize(run: Run, record: StepRecord, step: int) -> Update:
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))))
         check_finite_update(loss, norms[-1], step, run.dir)
         run.optimizer.step()
+    # Spent: held on, the gradients would sit beside the budget's copies through the readings and
+    # the next step's sampling (one more copy of the trainable weights; docs/performance.md).
+    run.optimizer.zero_grad(set_to_none=True)
     terms = run.ranks.all_rows(GRPOTokenTerms.cat(kept))  # every rank's rows
     return Update(reduce(run, terms), sum(norms) / len(norms), terms)
 

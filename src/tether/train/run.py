@@ -42,6 +42,7 @@ from tether.train.checkpoint import checkpoint_record, newest_intact, open_check
 from tether.train.periodic_eval import BestEval, periodic_eval
 from tether.train.run_dir import best_root, check_new_run_dir, clear_run_dir, write_config, write_run_start
 from tether.train.config import TrainConfig
+from tether.train.host_memory import fix_mmap_threshold
 from tether.train.metrics import CompletionLog, MetricsLog, evaluate_run, held_out_metrics, summarize
 from tether.train.plots import plot_metrics
 from tether.train.rewards import FunctionReward, RewardFunction, TaskReward, build_reward, reward_functions
@@ -140,6 +141,8 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
     task = dataset_task(cfg, inputs.rows, inputs.eval_rows) if cfg.dataset else load_task(cfg.task)
     functions = reward_functions(cfg, task, inputs.functions)  # before the models: a dataset lacking a column fails first
     models = build_models(cfg)
+    if models.device.type == "cpu":  # the steps' tensors live in host memory: freed blocks go back to the OS
+        fix_mmap_threshold(cfg.host_mmap_threshold)
     shard_models(models, ranks)  # before the optimizer takes the parameters
     tok = models.tokenizer
     check_prompt_format(cfg.prompt_format, tok, cfg.model)
