@@ -45,6 +45,9 @@ GRID: dict[str, dict[str, Any] | None] = {
     **{f"constant-{b:g}": {"kl_controller": "constant", "kl_coef": b} for b in (0.0, 0.05, 0.1, 0.2, 0.3)},
     **{f"budget-t{t:g}": _budget(t, False) for t in (1.0, 2.0, 3.0, 4.0)},
     **{f"budget-push-t{t:g}": _budget(t, True) for t in (1.0, 2.0, 3.0, 4.0)},
+    **{f"budget-lrfollow-t{t:g}": {**_budget(t, False), "kl_adaptive_lr": True} for t in (1.0, 2.0, 3.0, 4.0)},
+    # reference_move needs full fine-tuning, so its points wait for constant-beta points at lora_rank 0
+    # to be compared against; weight averaging has no config field yet.
     **{f"budget-{v}-t{t:g}": None for v in ("moving", "avg") for t in (1.0, 2.0, 3.0, 4.0)},
     "best-of-n": {},
 }
