@@ -35,6 +35,7 @@ import _results  # noqa: E402
 from tables import interval  # noqa: E402
 
 from tether.train.config import TrainConfig  # noqa: E402
+from tether.train.flags import parse_overrides  # noqa: E402
 from tether.train.recipe import train  # noqa: E402
 
 CONSTANT = {"kl_controller": "constant"}  # beta from --beta
@@ -63,7 +64,7 @@ def config(variant: str, seed: int, args: argparse.Namespace) -> TrainConfig:
     base = TrainConfig(seed=seed, threads=args.threads, device=args.device, dtype=args.dtype, kl_coef=args.beta,
                        out=str(Path(args.out) / f"{variant}-s{seed}"), overwrite=True)
     return base.override({**(QUICK if args.quick else {}), **VARIANTS[variant],
-                          **dict(kv.split("=", 1) for kv in args.set)}).validate()
+                          **parse_overrides(args.set)}).validate()
 
 
 def run_variant(variant: str, seed: int, args: argparse.Namespace) -> dict:

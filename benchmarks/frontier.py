@@ -82,11 +82,12 @@ MODES = {
 
 def _cfg(point: str, seed: int, mode: Mode, args: argparse.Namespace):
     from tether.train.config import TrainConfig
+    from tether.train.flags import parse_overrides
 
     base = TrainConfig(model=mode.model, seed=seed, threads=args.threads, device=args.device, dtype=args.dtype,
                        out=str(Path(args.out) / mode.name / f"{point}-s{seed}"), overwrite=True,
                        eval_size=mode.eval_size, checkpoint_every=0)
-    sets = dict(kv.split("=", 1) for kv in args.set)
+    sets = parse_overrides(args.set)
     return base.override({**dict(mode.train), **(GRID[point] or {}), **sets})
 
 

@@ -89,14 +89,14 @@ def model_path(args: argparse.Namespace) -> str:
 
 
 def config(args: argparse.Namespace):
-    from tether.train.cli import _parse_overrides
+    from tether.train.flags import parse_overrides
     from tether.train.config import TrainConfig
 
     given = {"lora_rank": args.lora_rank, "prompts_per_step": args.prompts, "group_size": args.group,
              "max_new_tokens": args.max_new_tokens}
     cfg = TrainConfig(model=model_path(args), threads=1, eval_size=0, dtype=args.dtype,
                       out=tempfile.mkdtemp(prefix="tether-step-memory-"), **{k: v for k, v in given.items() if v is not None})
-    return cfg.override(_parse_overrides(args.set)).validate()
+    return cfg.override(parse_overrides(args.set)).validate()
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -108,7 +108,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     add_trl_flags(p, set(TrainConfig.field_names()))
 
 
-def _parse_overrides(words: list[str]) -> dict[str, str]:
+def parse_overrides(words: list[str]) -> dict[str, str]:
+    """``key=value`` words as config changes (``-`` in a key read as ``_``); a word without ``=`` is refused."""
     out: dict[str, str] = {}
     for word in words:
         if "=" not in word:
@@ -122,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run's config: ``--config`` or ``--resume``'s config.yaml, then the flags and ``key=value`` words."""
     flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     flags.update({name: ",".join(flags[name]) for name in LIST_FIELDS if name in flags})
-    changes = {**trl_flag_values(args), **flags, **_parse_overrides(args.overrides)}
+    changes = {**trl_flag_values(args), **flags, **parse_overrides(args.overrides)}
     if args.resume:
         if args.config:
             raise ValueError(f"--config and --resume {args.resume} together: a resume uses the run's own config.yaml.")
