@@ -112,7 +112,8 @@ def test_dry_run_bench_reports_nemo_rl_tokens_and_generation_share(dry_run):
     assert 0 < row["generation_share"] < 1 and row["mean_completion_tokens"] == f["max_new_tokens"]
     assert row["peak_gpu_memory_bytes"] is None  # no GPU: no figure is made up
     # the row of benchmarks/results/gpu_grpo.jsonl (SPEC section 13), with the loss pass split
-    (spec,) = [json.loads(line) for line in (dry_run[2] / "gpu_grpo.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (dry_run[2] / "gpu_grpo.jsonl").read_text().splitlines()]
+    (spec,) = [r for r in rows if (r["model"], r["mode"], r["tool"]) == ("llama-tiny", "lora", "tether")]
     assert (spec["model"], spec["mode"], spec["tool"], spec["device"]) == ("llama-tiny", "lora", "tether", "CPU")
     assert spec["tokens_per_s"] == row["tokens_per_s_per_gpu"] and spec["peak_gpu_memory_bytes"] is None
     assert spec["run"].endswith("-llama-tiny") and spec["date"] and spec["commit"]

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from tests.train.test_sharded import SRC, _assert_same_run, _flags, _sharded
-from tether.train.cli import free_port
+from tether.train.launch import free_port
 
 
 def node_command(out: Path, port: int, node_rank: int) -> list[str]:
