@@ -66,11 +66,11 @@ def test_the_logged_kl_is_the_kept_weights_and_under_the_top(tmp_path, setting, 
     after = _naive_kl(run, record)
     part = confirm_rows(record, every)
     assert part.tolist() == (list(range(len(record))) if every == 1 else [0, 3])  # 2 groups of 3 answers
-    assert move["kl_move_before_per_seq"] == pytest.approx(float(before.mean()), rel=1e-10)
-    assert 0 < move["kl_move_scale"] < 1 and move["step_rejected"] is False
-    assert move["kl_kept_per_seq"] == pytest.approx(float(after.mean()), rel=1e-10, abs=1e-14)
+    assert move.kl_before == pytest.approx(float(before.mean()), rel=1e-10)
+    assert 0 < move.scale < 1 and move.rejected is False
+    assert move.kl_kept == pytest.approx(float(after.mean()), rel=1e-10, abs=1e-14)
     assert float(after.mean()) <= 1.25 * float(before.mean()) / 10
-    assert 3 <= move["kl_move_forwards"] <= 5
+    assert 3 <= move.forwards <= 5
 
 
 def test_confirm_rows_are_every_third_answer_of_each_group_however_the_step_is_split():
@@ -100,7 +100,7 @@ def test_weights_are_bit_identical_when_the_budget_does_not_bind(tmp_path):
     optimize(run, record, 0)
     updated = {n: p.detach().clone() for n, p in run.models.policy.named_parameters()}
     move = hold_kl_budget(run, record)
-    assert (move["kl_move_scale"], move["kl_move_forwards"]) == (1.0, 1.0)
+    assert (move.scale, move.forwards) == (1.0, 1)
     assert all(torch.equal(p.detach(), updated[n]) for n, p in run.models.policy.named_parameters())
 
 
@@ -122,7 +122,7 @@ def test_without_reference_hidden_states_the_budget_reads_k1(tmp_path):
 def test_other_controllers_without_a_ceiling_do_not_measure(tmp_path):
     run = build_run(tiny_cfg(tmp_path / "run", kl_controller="target", kl_bound=0))
     record, _ = prepared(run)
-    assert run.line is None and hold_kl_budget(run, record) == {}
+    assert run.line is None and hold_kl_budget(run, record) is None
 
 
 def test_a_run_holds_the_top_and_logs_the_move(tmp_path):
@@ -167,7 +167,7 @@ def test_tool_episodes_are_measured_on_the_assistant_tokens_only(tmp_path):
     run.controller = BudgetKLController(init_kl_coef=0.05, target=float(_naive_kl(run, record).mean()) / 4,
                                         model=run.leash)
     move = hold_kl_budget(run, record, confirm_every=1)
-    assert move["kl_move_scale"] < 1
-    assert move["kl_kept_per_seq"] == pytest.approx(float(_naive_kl(run, record).mean()), rel=1e-10)
+    assert move.scale < 1
+    assert move.kl_kept == pytest.approx(float(_naive_kl(run, record).mean()), rel=1e-10)
     full = exact_kl_tokens(run.models.policy, run.models.reference, record.tokens, record.attention_mask)
     assert float((full.sum(-1) - (full * record.assistant_mask).sum(-1))[tool_rows].min()) > 0  # tool tokens left out

@@ -50,10 +50,10 @@ def test_a_rejected_update_keeps_the_start_weights_and_optimizer_state(tmp_path,
                                                 max_forwards=2, model=run.leash)
             run.controller.power = 4.0
         move = hold_kl_budget(run, record, confirm_every=1)
-    assert move["step_rejected"] is True and move["kl_move_scale"] == 1.0
+    assert move.rejected is True and move.scale == 1.0
     assert all(torch.equal(p.detach(), weights[n]) for n, p in run.models.policy.named_parameters() if p.requires_grad)
     assert _same(_state(run.optimizer), state)
-    assert move["kl_kept_per_seq"] == pytest.approx(float(start_kl), rel=1e-10)
+    assert move.kl_kept == pytest.approx(float(start_kl), rel=1e-10)
 
 
 def test_a_rejection_at_the_first_step_leaves_the_optimizer_unstarted(tmp_path):
@@ -67,7 +67,7 @@ def test_a_rejection_at_the_first_step_leaves_the_optimizer_unstarted(tmp_path):
     run.controller = BudgetKLController(init_kl_coef=0.05, target=float(_naive_kl(run, record).mean()) / 100,
                                         max_forwards=2, model=run.leash)
     run.controller.power = 4.0
-    assert hold_kl_budget(run, record)["step_rejected"] is True
+    assert hold_kl_budget(run, record).rejected is True
     assert len(run.optimizer.state) == 0
 
 

@@ -62,11 +62,12 @@ class BudgetMove:
     scale: float
     forwards: int
     rejected: bool = False
+    seconds: float = 0.0  # what the leash cost the step, set by the trainer that timed it
 
     def metrics(self) -> dict[str, Any]:
         return {"kl_move_before_per_seq": self.kl_before, "kl_kept_per_seq": self.kl_kept,
                 "kl_move_scale": self.scale, "kl_move_forwards": float(self.forwards),
-                "step_rejected": self.rejected}
+                "step_rejected": self.rejected, "kl_move_seconds": self.seconds}
 
 
 def _finite(kl: float, what: str) -> float:

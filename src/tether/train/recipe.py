@@ -203,7 +203,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     update = optimize(run, record, step)
     move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
     run.scheduler.step()
-    move.update(hold_variants(run, record, move))  # reference_move, kl_adaptive_lr: docs/leash.md
+    leash = {**({} if move is None else move.metrics()), **hold_variants(run, record, move)}  # docs/leash.md
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
     if cfg.kl_control_signal == "exact" and cfg.kl_controller != "budget":  # known only now: beta for the next update
         run.controller.update(kl.signal)
@@ -217,7 +217,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
         "step": step + 1, "reward_mean": float(rewards.total.mean()), "reward_std": float(rewards.total.std()),
         **({} if rewards.correct is None else {"accuracy": float(rewards.correct.mean())}),
         **{f"reward/{name}": float(v.nanmean()) for name, v in rewards.per_function.items()},
-        **kl.metrics(cfg.kl_bound, kept=move.get("kl_kept_per_seq")), "kl_coef": kl_coef, **move, **drawn,
+        **kl.metrics(cfg.kl_bound, kept=leash.get("kl_kept_per_seq")), "kl_coef": kl_coef, **leash, **drawn,
         "kl_behaviour_per_token": behaviour_kl(update.terms),
         "clip_fraction": float(out.clip_fraction), "ess": float(out.ESS), "entropy": float(out.entropy),
         "response_length": float(update.terms.mask.sum(-1).float().mean()), "grad_norm": update.grad_norm, "lr": lr,

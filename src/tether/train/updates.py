@@ -21,6 +21,7 @@ rate of each step comes from ``make_lr_scheduler`` (warm-up, then ``LR_SCHEDULES
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -214,7 +215,7 @@ class KLReadings:
 
 
 @dataclass
-class _TrackedLine:
+class TrackedLine:
     """The run's line, telling the readings whenever the weights move."""
 
     line: Any
@@ -244,16 +245,16 @@ CEILING_AIM = 0.9
 
 
 @torch.no_grad()
-def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM_EVERY) -> dict[str, Any]:
+def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM_EVERY) -> BudgetMove | None:
     """After the optimizer step: the leash on the weights kept. ``kl_controller=budget`` moves the
     update into the band or rejects it (the controller's ``hold``); every controller then keeps the
-    weights under ``kl_bound`` (``pull_under_ceiling``). Returns the record entries (``BudgetMove``)
-    and the seconds it took; ``{}`` with neither (``kl_bound=0`` and another controller)."""
+    weights under ``kl_bound`` (``pull_under_ceiling``). Returns the move, timed; None with neither
+    (``kl_bound=0`` and another controller)."""
     if run.line is None:  # built by build_run for the budget or a ceiling
-        return {}
+        return None
     start, ceiling = time.perf_counter(), run.cfg.kl_bound or math.inf
     readings = KLReadings(run, record, confirm_every)
-    line = _TrackedLine(run.line, readings)
+    line = TrackedLine(run.line, readings)
     try:
         if run.cfg.kl_controller == "budget":
             move = run.controller.hold(line, readings, ceiling=ceiling)
@@ -266,7 +267,7 @@ def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM
             move = BudgetMove(kl, kept, scale, 1 + spent)
     finally:
         run.line.release()
-    return {**move.metrics(), "kl_move_seconds": time.perf_counter() - start}  # what the leash cost this step
+    return dataclasses.replace(move, seconds=time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------------------ learning-rate schedule

@@ -25,7 +25,7 @@ from tether.control.budget import BudgetMove, ReferenceLine, pull_under_ceiling
 from tether.control.reference_move import ReferenceMover
 from tether.models import TransformersWrapper, frozen_copy
 from tether.models.records import StepRecord
-from tether.train.updates import CEILING_AIM, KLReadings, _TrackedLine
+from tether.train.updates import CEILING_AIM, KLReadings, TrackedLine
 
 __all__ = ["BudgetLR", "MovingReference", "budget_lr", "hold_original_budget", "hold_variants", "moving_reference", "original_model"]
 
@@ -59,11 +59,6 @@ def original_model(run: Any) -> nn.Module:
     return run.models.reference if run.moving is None else run.moving.original
 
 
-def _budget_move(entries: dict[str, Any]) -> BudgetMove:
-    return BudgetMove(entries["kl_move_before_per_seq"], entries["kl_kept_per_seq"], entries["kl_move_scale"],
-                      int(entries["kl_move_forwards"]), entries["step_rejected"])
-
-
 @torch.no_grad()
 def hold_original_budget(run: Any, record: StepRecord, kept: float) -> dict[str, Any]:
     """The kept weights' KL per answer to the original model, pulled under the cumulative budget
@@ -79,7 +74,7 @@ def hold_original_budget(run: Any, record: StepRecord, kept: float) -> dict[str,
     kl, scale = readings(full=True), 1.0
     if kl > moving.budget:
         try:
-            scale, kl, _ = pull_under_ceiling(_TrackedLine(moving.line, readings), readings, kl,
+            scale, kl, _ = pull_under_ceiling(TrackedLine(moving.line, readings), readings, kl,
                                               ceiling=moving.budget, aim=CEILING_AIM * moving.budget)
         finally:
             moving.line.release()
@@ -114,15 +109,14 @@ def budget_lr(cfg: Any) -> BudgetLR | None:
     return BudgetLR(cfg.kl_adaptive_lr_gain) if cfg.kl_adaptive_lr else None
 
 
-def hold_variants(run: Any, record: StepRecord, leash: dict[str, Any]) -> dict[str, Any]:
-    """After ``hold_kl_budget`` (its record entries ``leash``) and the schedule's step: the
-    variants' holds and moves, and their record entries; ``{}`` with none on."""
+def hold_variants(run: Any, record: StepRecord, move: BudgetMove | None) -> dict[str, Any]:
+    """After ``hold_kl_budget`` (its ``move``) and the schedule's step: the variants' holds and
+    moves, and their record entries; ``{}`` with none on."""
     out: dict[str, Any] = {}
-    if not leash:
+    if move is None:
         return out
-    move = _budget_move(leash)
     if run.moving is not None:
-        out.update(hold_original_budget(run, record, leash["kl_kept_per_seq"]))
+        out.update(hold_original_budget(run, record, move.kl_kept))
         out.update(run.moving.mover.metrics(run.moving.mover.observe(move)))
     if run.lr_follow is not None:  # after the scheduler's step, which sets each rate from its base afresh
         out["lr_multiplier"] = run.lr_follow.observe(move)
