@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
-from tables import interval  # noqa: E402
+from _stats import interval  # noqa: E402
 
 from tether.train.config import TrainConfig  # noqa: E402
 from tether.train.flags import parse_overrides  # noqa: E402

@@ -32,6 +32,7 @@ import torch
 import _results
 from leash import Setting, settings
 from tether.models.records import StepRecord
+from tether.ops import effective_sample_size
 from tether.train.config import TrainConfig
 from tether.train.recipe import add_reference, sample, step_problems, train
 from tether.train.run import Run
@@ -66,7 +67,7 @@ class Probe:
             add_reference(run, fresh)
             row |= {"kept": float(kl.mean()), "kept_is": importance_weighted(kl, log_ratio.cpu()),
                     "own_same": float(answer_kl(run.actor, fresh).mean()),
-                    "is_ess": float(1 / (torch.softmax(log_ratio.double(), 0) ** 2).sum())}
+                    "is_ess": float(effective_sample_size(log_ratio.double()))}
         record = sample(run, problems, step)
         add_reference(run, record)
         row["own_new"] = float(answer_kl(run.actor, record).mean())
