@@ -105,3 +105,14 @@ def test_sizes_out_of_order_or_unknown_are_refused(capsys):
     with pytest.raises(SystemExit):
         largest_model.parse_args(["--memory-cap-mib", "0"])
     assert largest_model.parse_args(["--tools", "TRL", "--modes", "LoRA"]).tools == ["TRL"]
+
+
+def test_no_attempt_starts_that_the_budget_cannot_cover(tmp_path):
+    """A 30 s budget against the first attempt's estimate of --least-s 60 s: no model is built,
+    no row is written, and each tool and mode is listed as not started for the budget."""
+    args = largest_model.parse_args(["--device", "cpu", "--sizes", "tiny", "--tools", "tether", "--budget-seconds",
+                                     "30", "--model-root", str(tmp_path), "--record", str(tmp_path / "rows.jsonl")])
+    report = largest_model.search(args, "CPU")
+    assert report["rows"] == [] and not (tmp_path / "rows.jsonl").exists() and list(tmp_path.iterdir()) == []
+    assert report["not_started"] == [{"tool": "tether", "mode": m, "size": "tiny", "reason": "budget"}
+                                     for m in ("full", "LoRA")]
