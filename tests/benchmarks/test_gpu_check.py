@@ -162,6 +162,21 @@ def test_dry_run_records_each_stage_it_ran_for_the_repository(dry_run):
     assert by_stage["train"]["figures"] == report["stages"]["train"]["figures"]
 
 
+def test_the_dry_run_records_build_docs_gpu_check_table_once_taken_as_a_gpu_s(dry_run):
+    """The records' figures carry every key gpu_tables reads: the same records, as if a GPU had
+    written them, give a row per check stage that ran, with the train stage's own numbers."""
+    import gpu_tables
+
+    out = dry_run[2]
+    records = [{**json.loads(line), "dry_run": False, "device": "GPU X"}
+               for line in (out / "results" / "gpu_check.jsonl").read_text().splitlines()]
+    table = gpu_tables.checks(records)
+    train = next(r for r in records if r["stage"] == "train")["figures"]
+    assert f"{train['wall_s']:.0f} s wall; held-out accuracy {100 * train['accuracy_before']:.1f} %" in table
+    assert "| parity | ran | log-prob error mean" in table and "within tolerance: yes" in table
+    assert "| nccl | ran | gloo, 1 rank(s)" in table and "| cuda-tests | not recorded |" in table
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_a_gpu_run_without_cuda_is_refused_with_a_report(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
