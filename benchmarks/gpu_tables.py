@@ -18,6 +18,7 @@ PAGE = "docs/gpu.md"
 CHECKS = ("cuda-tests", "train", "parity", "nccl")
 PHASES = ("sampling", "scoring", "loss", "loss_forward", "loss_backward", "optimizer", "optimizer_step", "readings")
 COPY = "then append the call's `$OUT/results/*.jsonl` to their namesakes in `benchmarks/results/`"
+UNRECORDED = " The 2026-11-26/27 H200 figures have no record: [GPU runs, by date](history/gpu-runs.md)."
 
 
 def _mib(n: float | None) -> str:
@@ -56,7 +57,8 @@ def checks(records: list[dict[str, Any]]) -> str:
     newest = _newest([r for r in _on_gpu(records) if r["stage"] in CHECKS], lambda r: (r["stage"],))
     if not newest:
         return ("No GPU check is recorded yet. The stages `cuda-tests`, `train`, `parity` and `nccl` of "
-                "`bash benchmarks/gpu_check.sh` record them in `$OUT/results/gpu_check.jsonl`; " + COPY + ".")
+                "`bash benchmarks/gpu_check.sh` record them in `$OUT/results/gpu_check.jsonl`; " + COPY + "."
+                + UNRECORDED)
     lines = ["| check | status | result | device | date, commit |", "|---|---|---|---|---|"]
     for stage in CHECKS:
         if (stage,) not in newest:
@@ -80,7 +82,8 @@ def steps(rows: list[dict[str, Any]]) -> str:
     chosen = _step_runs(rows)
     if not chosen:
         return ("No GPU step is recorded yet in `benchmarks/results/gpu_grpo.jsonl` (`bash benchmarks/gpu_check.sh "
-                "--stages install,bench-llama-1b`, or `python benchmarks/gpu_grpo.py --record FILE`; " + COPY + ").")
+                "--stages install,bench-llama-1b`, or `python benchmarks/gpu_grpo.py --record FILE`; " + COPY + ")."
+                + UNRECORDED)
     by = _newest(chosen, lambda r: (r["model"], r["mode"], r["tool"]))
     lines = ["| model | mode | tokens/s, tether / TRL | tether ÷ TRL | peak GPU memory (MiB), tether / TRL "
              "| tether ÷ TRL | device | date, commit |", "|---|---|---|---|---|---|---|---|"]
