@@ -13,7 +13,8 @@ generating, and the peak GPU memory of a timed step (``torch.cuda.max_memory_all
 Targets (issue 28): tether tokens/s >= 1.5x TRL's, peak GPU memory <= 0.7x. ``--json PATH``
 writes the figures after each variant; ``--record FILE`` appends one row a tool and mode with the
 keys of SPEC section 13 (``benchmarks/results/gpu_grpo.jsonl``'s: run, model, mode, tool,
-tokens_per_s, peak_gpu_memory_bytes, device, date, per-phase seconds and peak GPU memory).
+tokens_per_s, peak_gpu_memory_bytes, device, date, per-phase seconds and peak GPU memory) and
+``bench: step`` (``largest_model.py``'s rows say ``largest-model``).
 
 docs/gpu.md's tables are built from those rows (``benchmarks/tables.py``); figures of earlier
 sessions that have no rows are in docs/history/gpu-runs.md.
