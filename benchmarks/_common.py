@@ -92,6 +92,33 @@ def measure_in_subprocess(
     )
 
 
+def cap_memory(cap_mib: float | None, device: str) -> None:
+    """Hold this process to ``cap_mib`` MiB of new memory from here on (None: no cap), so that a
+    larger model fails as it would on a smaller card: on CUDA through the caching allocator's
+    per-process fraction of the card (``torch.OutOfMemoryError`` past it), on the CPU through
+    ``RLIMIT_DATA`` set to the private memory held now plus the cap (torch's CPU allocator then
+    raises "can't allocate memory"). Call it after the imports, before the model loads."""
+    if cap_mib is None:
+        return
+    if cap_mib <= 0:
+        raise ValueError(f"cap_mib: expected a positive number of MiB or None, got {cap_mib}.")
+    import torch
+
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if cap_mib * 2**20 > total:
+            raise ValueError(f"cap_mib: {cap_mib} MiB is more than this card's {total / 2**20:.0f} MiB; "
+                             "give a smaller cap or none.")
+        torch.cuda.set_per_process_memory_fraction(cap_mib * 2**20 / total)
+        return
+    import resource
+
+    with open("/proc/self/status") as f:
+        held = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    resource.setrlimit(resource.RLIMIT_DATA, (held + int(cap_mib * 2**20), hard))
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     """A GitHub-flavoured Markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

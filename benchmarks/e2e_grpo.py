@@ -93,7 +93,7 @@ for _flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
+from _common import cap_memory, markdown_table, measure_in_subprocess, mib  # noqa: E402
 
 FULL = {"prompts": 4, "group": 4, "max_new_tokens": 16}
 QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4}
@@ -232,6 +232,7 @@ def setup_tether(work: dict, info_path: str):
     from tether.train import recipe
 
     folder = tempfile.TemporaryDirectory()
+    cap_memory(work.get("memory_cap_mib"), work.get("device", "cpu"))  # largest_model.py's smaller card
     run = recipe.build_run(train_config(work, out=folder.name))
     if not work["natural_lengths"]:
         run.sampler.eos_ids = {-1}  # no token id matches: every answer runs to max_new_tokens
@@ -422,6 +423,7 @@ def setup_trl(work: dict, info_path: str):
     gate = _trl_gate(clock)
     output_dir = tempfile.TemporaryDirectory()
     device, dtype = work.get("device", "cpu"), getattr(torch, work.get("dtype", "float32"))
+    cap_memory(work.get("memory_cap_mib"), device)
     if work.get("model"):  # a model directory (benchmarks/gpu_grpo.py --model)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

