@@ -132,6 +132,8 @@ def train_config(work: dict, out: str = "runs/bench-e2e"):
     }
     if not work["lora"]:
         values["lora_rank"] = 0
+    if work.get("tether_gradient_checkpointing"):  # benchmarks/gpu_grpo.py --gradient-checkpointing: both tools
+        values["gradient_checkpointing"] = True
     if "device" in work:  # benchmarks/gpu_grpo.py: the same workload on a GPU
         values.update(device=work["device"], dtype=work["dtype"])
     if work.get("model"):  # benchmarks/gpu_grpo.py --model: a model directory instead of the embedded one

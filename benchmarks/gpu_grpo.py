@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant")
     p.add_argument("--modes", default="LoRA,full", help="comma-separated subset of LoRA,full")
     p.add_argument("--no-trl", action="store_true", help="tether rows only")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="both tools recompute each decoder layer's activations in backward (tether's "
+                        "gradient_checkpointing, TRL's gradient_checkpointing argument)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a variant's process is killed")
     p.add_argument("--json", default=None, help="write the figures to this file (after each variant)")
     p.add_argument("--record", default=None, help="append one row a tool and mode to this JSONL file "
@@ -69,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or args.steps < 1 or args.warmup < 0:
         p.error(f"--modes takes a subset of LoRA,full (got {unknown}); --steps >= 1; --warmup >= 0")
     # e2e_grpo.measure reads these
-    args.natural_lengths, args.trl_gradient_checkpointing, args.threads = False, False, 1
+    args.natural_lengths, args.trl_gradient_checkpointing, args.threads = False, args.gradient_checkpointing, 1
     return args
 
 
@@ -94,7 +97,9 @@ def model_directory(args: argparse.Namespace) -> str | None:
 def workload(args: argparse.Namespace, model: str | None) -> dict:
     """The child's workload (``e2e_grpo.measure``'s ``work`` less ``lora``) for ``args`` and ``model``."""
     return {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "threads": 1,
-            "steps": args.warmup + args.steps, "natural_lengths": False, "trl_gradient_checkpointing": False,
+            "steps": args.warmup + args.steps, "natural_lengths": False,
+            "trl_gradient_checkpointing": args.gradient_checkpointing,
+            "tether_gradient_checkpointing": args.gradient_checkpointing,
             "device": args.device, "dtype": args.dtype, "model": model}
 
 
@@ -131,7 +136,7 @@ def spec_row(run: str, args: argparse.Namespace, device: str, key: str, f: dict,
     tool, mode = key.split("/")
     return {"run": run, "bench": bench, "model": args.model, "mode": mode.lower(), "tool": tool.lower(), "device": device,
             "dtype": args.dtype, "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
-            "tokens_per_s": f.get("tokens_per_s_per_gpu"), "peak_gpu_memory_bytes": f.get("peak_gpu_memory_bytes"),
+            "gradient_checkpointing": args.gradient_checkpointing, "tokens_per_s": f.get("tokens_per_s_per_gpu"), "peak_gpu_memory_bytes": f.get("peak_gpu_memory_bytes"),
             "phases_s": {**f.get("phases_s", {}), **f.get("phase_detail_s", {})},
             "peak_gpu_memory_by_phase_bytes": f.get("peak_gpu_memory_by_phase_bytes", {}),
             **({"error": f["error"]} if "error" in f else {}), **_results.stamp()}

@@ -70,11 +70,16 @@ def checks(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _model(r: dict[str, Any]) -> str:
+    """The model, and whether both tools recomputed activations (``gpu_grpo.py --gradient-checkpointing``)."""
+    return r["model"] + (" (checkpointing)" if r.get("gradient_checkpointing") else "")
+
+
 def _step_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of each model's newest step run on a GPU."""
+    """The rows of each model's newest step run on a GPU, with and without activation checkpointing."""
     steps = [r for r in _on_gpu(rows) if r.get("bench", "step") == "step"]
-    newest_run = {r["model"]: r["run"] for r in steps}
-    return [r for r in steps if r["run"] == newest_run[r["model"]]]
+    newest_run = {_model(r): r["run"] for r in steps}
+    return [r for r in steps if r["run"] == newest_run[_model(r)]]
 
 
 def steps(rows: list[dict[str, Any]]) -> str:
@@ -84,7 +89,7 @@ def steps(rows: list[dict[str, Any]]) -> str:
         return ("No GPU step is recorded yet in `benchmarks/results/gpu_grpo.jsonl` (`bash benchmarks/gpu_check.sh "
                 "--stages install,bench-llama-1b`, or `python benchmarks/gpu_grpo.py --record FILE`; " + COPY + ")."
                 + UNRECORDED)
-    by = _newest(chosen, lambda r: (r["model"], r["mode"], r["tool"]))
+    by = _newest(chosen, lambda r: (_model(r), r["mode"], r["tool"]))
     lines = ["| model | mode | tokens/s, tether / TRL | tether ÷ TRL | peak GPU memory (MiB), tether / TRL "
              "| tether ÷ TRL | device | date, commit |", "|---|---|---|---|---|---|---|---|"]
     for model, mode in sorted({(m, mo) for m, mo, _ in by}):
@@ -107,14 +112,14 @@ def steps(rows: list[dict[str, Any]]) -> str:
 
 def phases(rows: list[dict[str, Any]]) -> str:
     """Seconds a step by phase, the rows of ``steps``' runs (a phase a tool does not split is blank)."""
-    chosen = sorted(_step_runs(rows), key=lambda r: (r["model"], r["mode"], r["tool"]))
+    chosen = sorted(_step_runs(rows), key=lambda r: (_model(r), r["mode"], r["tool"]))
     if not chosen:
         return "No GPU step is recorded yet: the phases come with the step rows above."
     present = [p for p in PHASES if any(p in r.get("phases_s", {}) for r in chosen)]
     lines = ["| model | mode | tool | " + " | ".join(present) + " |", "|---|---|---|" + "---|" * len(present)]
     for r in chosen:
         cells = [f"{r['phases_s'][p]:.2f}" if p in r.get("phases_s", {}) else "" for p in present]
-        lines.append(f"| {r['model']} | {r['mode']} | {r['tool']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_model(r)} | {r['mode']} | {r['tool']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -39,6 +39,19 @@ def test_the_step_table_pairs_the_newest_run_and_takes_ratios_within_it():
     assert phases.splitlines()[0] == "| model | mode | tool | sampling | loss |"
 
 
+def test_a_checkpointing_run_is_its_own_row_and_does_not_hide_the_plain_one():
+    """Run r2 (both tools with --gradient-checkpointing) is newer than r1 (without): each keeps its
+    row, r2's ratios 8,000 / 5,000 = 1.60x and 4 / 8 GiB = 0.50x, r1's 12,000 / 6,000 = 2.00x."""
+    rows = [_row("r1", "tether", 12000.0, 10 * GIB), _row("r1", "trl", 6000.0, 20 * GIB),
+            _row("r2", "tether", 8000.0, 4 * GIB, gradient_checkpointing=True),
+            _row("r2", "trl", 5000.0, 8 * GIB, gradient_checkpointing=True)]
+    body = [line for line in gpu_tables.steps(rows).splitlines() if line.startswith("| llama-1b")]
+    assert [line.split(" | ")[:4] for line in body] == [
+        ["| llama-1b", "full", "12,000 / 6,000", "2.00×"],
+        ["| llama-1b (checkpointing)", "full", "8,000 / 5,000", "1.60×"]]
+    assert "| llama-1b (checkpointing) | full | tether | 0.50 | 1.25 |" in gpu_tables.phases(rows)
+
+
 def test_a_failed_tool_is_named_and_gets_no_ratio():
     rows = [_row("r", "tether", 12000.0, 10 * GIB), _row("r", "trl", None, None, error="not installed: trl")]
     (line,) = [x for x in gpu_tables.steps(rows).splitlines() if x.startswith("| llama-1b")]
