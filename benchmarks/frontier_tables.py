@@ -97,7 +97,8 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
         residual = "–" if len(knots) < 2 else _cell(
             [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in rs], 100, "{:+.1f}")
         residual += f" ({against})" if residual != "–" and against != "constant" else ""
-        outside = knots and not (knots[0][0] <= sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs) <= knots[-1][0])
+        mean_kl = sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs)
+        outside = knots and not knots[0][0] <= mean_kl <= knots[-1][0]
         lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')} "
                      f"| {_cell([r['heldout_kl_sampled_per_seq'] for r in rs], fmt='{:.2f}')} | {residual}"
                      f"{' (extrapolated)' if outside and residual != '–' else ''} "

@@ -2,12 +2,13 @@
 
 ``checkpoints/step_NNNNNN/`` holds ``policy.safetensors`` (trainable parameters),
 ``reference.safetensors`` (only when the reference moves), ``average.safetensors`` (only with
-``weight_average``), ``optimizer.safetensors``, ``rng.safetensors``, ``state.json`` (step, data cursor, controller and reference state) and
-``manifest.json`` (size and SHA-256 of every other file, written last). It is written beside and
-renamed into place, so a killed process leaves the previous checkpoint intact; the newest ``keep``
-are kept and ``newest_intact`` picks the newest the manifest vouches for. Nothing is pickled. A
-sharded learner writes the same files (rank 0 writes the gathered tensors); a resume on another
-world size is refused (the sums would round differently).
+``weight_average``), ``optimizer.safetensors``, ``rng.safetensors``, ``state.json`` (step, data
+cursor, controller and reference state) and ``manifest.json`` (size and SHA-256 of every other
+file, written last). It is written beside and renamed into place, so a killed process leaves the
+previous checkpoint intact; the newest ``keep`` are kept and ``newest_intact`` picks the newest
+the manifest vouches for. Nothing is pickled. A sharded learner writes the same files (rank 0
+writes the gathered tensors); a resume on another world size is refused (the sums would round
+differently).
 
 A checkpoint records the run's config and the fingerprint of its base model and tokenizer
 (``checkpoint_record``); loading one checks both against the run (``check_record``): what a
