@@ -109,15 +109,17 @@ def _checkpoint(run_dir, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "policy.safetensors"))
 
 
-def test_a_two_step_run_ends_on_the_average_of_its_kept_weights(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_two_step_run_ends_on_the_average_of_its_kept_weights(tmp_path, lora_rank):
     """mu = 1/2, no leash on the weights: avg_1 = (theta_0 + theta_1) / 2, avg_2 = (avg_1 + theta_2) / 2
     = theta_0 / 4 + theta_1 / 4 + theta_2 / 2, with theta_k the plain run's checkpoints (the
-    average never feeds back into training) and theta_0 the policy as built. The run's final
-    checkpoint holds the average; its metrics before the finish are the plain run's."""
-    plain, averaged = tmp_path / "plain", tmp_path / "avg"
-    train(tiny_cfg(plain, steps=2, keep_checkpoints=3, **PLAIN), progress=False)
-    summary = train(tiny_cfg(averaged, steps=2, weight_average=0.5, **PLAIN), progress=False)
-    theta0 = _snapshot(build_run(tiny_cfg(tmp_path / "fresh", **PLAIN)).models.policy)
+    average never feeds back into training) and theta_0 the policy as built: every weight with
+    full fine-tuning, both LoRA factors with an adapter. The run's final checkpoint holds the
+    average; its metrics before the finish are the plain run's."""
+    plain, averaged, setting = tmp_path / "plain", tmp_path / "avg", {**PLAIN, "lora_rank": lora_rank}
+    train(tiny_cfg(plain, steps=2, keep_checkpoints=3, **setting), progress=False)
+    summary = train(tiny_cfg(averaged, steps=2, weight_average=0.5, **setting), progress=False)
+    theta0 = _snapshot(build_run(tiny_cfg(tmp_path / "fresh", **setting)).models.policy)
     theta1, theta2, final = _checkpoint(plain, 1), _checkpoint(plain, 2), _weights(averaged)
     assert not any(torch.equal(theta2[n], final[n]) for n in final)  # the finish moved them
     for name in final:
