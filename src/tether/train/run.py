@@ -5,9 +5,9 @@ for the loss pass, optimizer, schedule, KL controller, reference updater, the re
 validated before anything is written. ``open_run`` starts the run directory (or resumes from its
 newest checkpoint), ``close_step`` logs and checkpoints each step at its cadence, ``close_run``
 runs the final evaluation and writes the summary. A checkpoint holds the state beyond the weights
-and a resume puts every piece back (RNGs, controller, schedule, reference updater, best eval, logs
-cut back to the checkpoint's step), so a resumed run ends bit-identical to one that was never
-stopped (on CPU). With a sharded learner, rank 0 alone writes the run directory.
+and a resume puts every piece back (RNGs, controller, schedule, reference updater, weight average,
+best eval, logs cut back to the checkpoint's step), so a resumed run ends bit-identical to one
+that was never stopped (on CPU). With a sharded learner, rank 0 alone writes the run directory.
 
 ``--model`` is read by ``tether.models.loading.load_base`` (offline, safetensors only). With LoRA the reference is the policy with its adapter disabled
 unless it has to move (``sync``); full fine-tuning and a continued adapter (``cfg.adapter``) take
