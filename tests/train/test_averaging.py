@@ -65,10 +65,12 @@ def test_the_end_interpolation_lands_at_or_under_its_target_on_the_line(tmp_path
     record, _ = prepared(run)
     line = ReferenceLine(run.models.policy, run.models.reference)
     start, kl_start = _snapshot(run.models.policy), float(_naive_kl(run, record).mean())
-    assert land_on_target(run, record, line, 2 * kl_start) == (1.0, pytest.approx(kl_start, rel=1e-10))
+    kept = land_on_target(run, record, line, 2 * kl_start)
+    assert (kept.scale, kept.kl_kept) == (1.0, pytest.approx(kl_start, rel=1e-10))
     assert all(torch.equal(start[n], p) for n, p in _snapshot(run.models.policy).items())
     target = kl_start / 4
-    lam, kl = land_on_target(run, record, line, target)
+    move = land_on_target(run, record, line, target)
+    lam, kl = move.scale, move.kl_kept
     naive = float(_naive_kl(run, record).mean())
     assert (1 - LAND_BAND / 2) / (1 + LAND_BAND / 2) * target <= naive <= target and 0 < lam < 1
     assert kl == pytest.approx(naive, rel=1e-10)

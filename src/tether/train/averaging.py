@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tether.control.budget import BudgetKLController, ReferenceLine, pull_under_ceiling
+from tether.control.budget import BudgetKLController, BudgetMove, ReferenceLine, pull_under_ceiling
 from tether.models.records import StepRecord
 from tether.train.updates import CEILING_AIM, KLReadings, TrackedLine
 
@@ -92,8 +92,8 @@ def finish_step(run: Any, record: StepRecord, step: int) -> dict[str, Any]:
     if run.cfg.final_kl_target:  # also after the average: it lands the averaged weights itself
         if run.average is not None:
             run.average.apply()
-        scale, kl = land_on_target(run, record, line, run.cfg.final_kl_target)
-        return {"final_interpolation": scale, "final_kl_per_seq": kl}
+        move = land_on_target(run, record, line, run.cfg.final_kl_target)
+        return {"final_interpolation": move.scale, "final_kl_per_seq": move.kl_kept}
     run.average.apply()
     if run.line is None:  # no leash on the weights: the average is kept as it is, unread
         return {}
@@ -118,19 +118,18 @@ def _hold_average(run: Any, record: StepRecord, line: Any) -> tuple[float, float
     return kl, scale
 
 
-def land_on_target(run: Any, record: StepRecord, line: Any, target: float) -> tuple[float, float]:
-    """``(lambda, KL)``: the current weights moved to ``theta_0 + lambda (theta - theta_0)`` on
-    ``line`` with ``lambda`` in [0, 1] found by the budget's search, so that the mean KL per
-    answer on ``record`` is at most ``target`` (1 when already under it)."""
+def land_on_target(run: Any, record: StepRecord, line: Any, target: float) -> BudgetMove:
+    """The current weights moved to ``theta_0 + lambda (theta - theta_0)`` on ``line``, ``lambda``
+    in [0, 1] found by the budget's search so that the mean KL per answer on ``record`` is at most
+    ``target`` (1 when already under it); the move's ``scale`` is lambda, ``kl_kept`` the KL."""
     search = BudgetKLController(kl_coef=1.0, kl_target=target / (1 + LAND_BAND / 2), band=LAND_BAND,
                                 max_forwards=LAND_READINGS)
     readings = KLReadings(run, record, confirm_every=1)
     line.start(run.optimizer)  # a search with nothing under its top returns here, then the ceiling pulls
     try:
-        move = search.hold(TrackedLine(line, readings), readings, ceiling=target)
+        return search.hold(TrackedLine(line, readings), readings, ceiling=target)
     finally:
         line.release()
-    return move.scale, move.kl_kept
 
 
 def config_problems(cfg: Any) -> list[str]:
