@@ -4,9 +4,9 @@
 weights kept update ``avg <- mu avg + (1 - mu) kept`` (``avg`` starts at the initial weights);
 after the last step the average replaces them and, with a leash on the weights (the budget or
 ``kl_bound``), is read on the last step's answers and pulled back along the line to the reference
-when over the band's top or the ceiling (``pull_under_ceiling``). ``final_kl_target`` (WiSE-FT,
+when over the band's upper edge or the ceiling (``pull_under_ceiling``). ``final_kl_target`` (WiSE-FT,
 WARP's LITI): the final weights become ``theta_0 + lambda (theta_T - theta_0)``, ``lambda`` found
-by the budget's own line search (a ``BudgetKLController`` whose band's top is the target, with
+by the budget's own line search (a ``BudgetKLController`` whose band ends at the target, with
 the target as its ceiling) so the KL per answer on the last step's answers lands at or under it.
 
 Departures from WARP: one policy, not M averaged runs; the EMA is the run's output, not an anchor
@@ -34,7 +34,7 @@ __all__ = ["FINISH_KEYS", "WeightAverage", "config_problems", "finish_step", "la
 
 # The last step's record entries a finish writes; the summary copies them.
 FINISH_KEYS = ("weight_average_kl_per_seq", "weight_average_scale", "final_interpolation", "final_kl_per_seq")
-# final_kl_target's search: the band's top sits on the target and its bottom LAND_BAND under it
+# final_kl_target's search: a band LAND_BAND wide whose upper edge (where a move starts) is the target
 # (the search keeps the first reading in [0.951, 1] x target), in at most LAND_READINGS readings.
 LAND_BAND = 0.05
 LAND_READINGS = 8
@@ -102,7 +102,7 @@ def finish_step(run: Any, record: StepRecord, step: int) -> dict[str, Any]:
 
 def _hold_average(run: Any, record: StepRecord, line: Any) -> tuple[float, float]:
     """The averaged weights' KL per answer on ``record`` and the scale kept: over the budget's
-    band top (``kl_target (1 + kl_band / 2)``, where its search starts) or ``kl_bound``, they are
+    band's upper edge (``kl_target (1 + kl_band / 2)``, where its search starts) or ``kl_bound``, they are
     pulled back along the line to the reference toward the target, as a step's kept weights are."""
     cfg, ceiling = run.cfg, run.cfg.kl_bound or math.inf
     aim = min(cfg.kl_target, CEILING_AIM * ceiling)
