@@ -4,10 +4,10 @@
 weights kept update ``avg <- mu avg + (1 - mu) kept`` (``avg`` starts at the initial weights);
 after the last step the average replaces them and, with a leash on the weights (the budget or
 ``kl_bound``), is read on the last step's answers and pulled back along the line to the reference
-when over the band's upper edge or the ceiling (``pull_under_ceiling``). ``final_kl_target`` (WiSE-FT,
-WARP's LITI): the final weights become ``theta_0 + lambda (theta_T - theta_0)``, ``lambda`` found
-by the budget's own line search (a ``BudgetKLController`` whose band ends at the target, with
-the target as its ceiling) so the KL per answer on the last step's answers lands at or under it.
+when over the band's upper edge or the ceiling (``pull_under_ceiling``). ``final_kl_target``
+(WiSE-FT, WARP's LITI): the final weights become ``theta_0 + lambda (theta_T - theta_0)``, lambda
+found by the budget's own line search (a ``BudgetKLController`` whose band ends at the target,
+the target its ceiling) so the KL per answer on the last step's answers lands at or under it.
 
 Departures from WARP: one policy, not M averaged runs; the EMA is the run's output, not an anchor
 its KL is measured to (the leash stays to the fixed reference); the interpolation is aimed at a
@@ -88,16 +88,16 @@ def finish_step(run: Any, record: StepRecord, step: int) -> dict[str, Any]:
         run.average.observe()
     if step + 1 < run.cfg.steps or (run.average is None and not run.cfg.final_kl_target):
         return {}
-    line = run.line or ReferenceLine(run.models.policy, run.models.reference)
-    if run.cfg.final_kl_target:  # also after the average: it lands the averaged weights itself
-        if run.average is not None:
-            run.average.apply()
+    if run.average is not None:
+        run.average.apply()
+    if run.cfg.final_kl_target:  # after the average too: the landing holds the averaged weights itself
+        line = run.line or ReferenceLine(run.models.policy, run.models.reference)
         move = land_on_target(run, record, line, run.cfg.final_kl_target)
         return {"final_interpolation": move.scale, "final_kl_per_seq": move.kl_kept}
-    run.average.apply()
     if run.line is None:  # no leash on the weights: the average is kept as it is, unread
         return {}
-    return dict(zip(FINISH_KEYS[:2], _hold_average(run, record, line)))
+    kl, scale = _hold_average(run, record, run.line)
+    return {"weight_average_kl_per_seq": kl, "weight_average_scale": scale}
 
 
 def _hold_average(run: Any, record: StepRecord, line: Any) -> tuple[float, float]:
