@@ -2,8 +2,10 @@
 
 Each trained point is a default ``tether train`` run (the embedded model, 16 steps) with only the
 leash changed and 500 held-out problems: constant beta in {0, 0.05, 0.1, 0.2, 0.3}, the budget at
-targets 1-4 without and with ``kl_push``. After training, the forgetting axis
-(``tether.train.forgetting``): the exact KL on answers sampled for general chat prompts, and the
+targets 1-4 plain and with ``kl_push``, ``kl_adaptive_lr`` or ``weight_average``, beta 0 landed on
+1-4 at the end (``final_kl_target``), and, fully fine-tuned (``lora_rank=0``), constant beta
+(``full-constant-*``) and the moving reference (``budget-moving-*``). After training, the
+forgetting axis (``tether.train.forgetting``): the exact KL on answers sampled for general chat prompts, and the
 share of rule-checked instructions followed. ``best-of-n-N`` points need no training: 32 sampled
 answers per held-out problem from the untrained policy, the best of the first N by the task's
 reward, at KL log N - (N-1)/N; ``base`` is the untrained policy (greedy). One JSON line per
@@ -40,15 +42,25 @@ def _budget(t: float, push: bool) -> dict[str, Any]:
     return {"kl_controller": "budget", "kl_target": t, "kl_bound": max(4.0, 1.25 * t), "kl_push": push}
 
 
+# The EMA's decay for 16 steps: it spans about 1 / (1 - mu) = 5 steps and lags the raw weights by
+# mu / (1 - mu) = 4, while the initial weights keep 0.8**16 = 3 % of it; 0.9 would keep 19 % of the
+# start and lag 9 of the 16 steps, mostly pulling the policy back toward the reference, the leash's job.
+AVERAGE_DECAY = 0.8
+TARGETS = (1.0, 2.0, 3.0, 4.0)
+CONSTANT_BETAS = (0.0, 0.05, 0.1, 0.2, 0.3)
+FULL = {"lora_rank": 0}  # full fine-tuning: what reference_move needs, so its curve is its own
+
 # Point -> config overrides; None: a variant whose config fields have not landed yet (named, skipped).
 GRID: dict[str, dict[str, Any] | None] = {
-    **{f"constant-{b:g}": {"kl_controller": "constant", "kl_coef": b} for b in (0.0, 0.05, 0.1, 0.2, 0.3)},
-    **{f"budget-t{t:g}": _budget(t, False) for t in (1.0, 2.0, 3.0, 4.0)},
-    **{f"budget-push-t{t:g}": _budget(t, True) for t in (1.0, 2.0, 3.0, 4.0)},
-    **{f"budget-lrfollow-t{t:g}": {**_budget(t, False), "kl_adaptive_lr": True} for t in (1.0, 2.0, 3.0, 4.0)},
-    # reference_move needs full fine-tuning, so its points wait for constant-beta points at lora_rank 0
-    # to be compared against; weight averaging has no config field yet.
-    **{f"budget-{v}-t{t:g}": None for v in ("moving", "avg") for t in (1.0, 2.0, 3.0, 4.0)},
+    **{f"constant-{b:g}": {"kl_controller": "constant", "kl_coef": b} for b in CONSTANT_BETAS},
+    **{f"budget-t{t:g}": _budget(t, False) for t in TARGETS},
+    **{f"budget-push-t{t:g}": _budget(t, True) for t in TARGETS},
+    **{f"budget-lrfollow-t{t:g}": {**_budget(t, False), "kl_adaptive_lr": True} for t in TARGETS},
+    **{f"budget-avg-t{t:g}": {**_budget(t, False), "weight_average": AVERAGE_DECAY} for t in TARGETS},
+    # beta 0 trained freely, then moved once along the line to the reference to land on t (WiSE-FT).
+    **{f"constant-0-land-t{t:g}": {"kl_controller": "constant", "kl_coef": 0.0, "final_kl_target": t} for t in TARGETS},
+    **{f"full-constant-{b:g}": {"kl_controller": "constant", "kl_coef": b, **FULL} for b in CONSTANT_BETAS},
+    **{f"budget-moving-t{t:g}": {**_budget(t, False), "reference_move": "reset", **FULL} for t in TARGETS},
     "best-of-n": {},
 }
 
@@ -96,11 +108,13 @@ def trained_point(point: str, seed: int, mode: Mode, args: argparse.Namespace) -
     from tether.train import forgetting
     from tether.train.metrics import eval_seed
     from tether.train.recipe import build_run, train
+    from tether.train.variants import original_model
 
     cfg, start = _cfg(point, seed, mode, args), time.perf_counter()
     run = build_run(cfg, fresh=True)
     summary = train(cfg, run=run, progress=False)
-    lost = forgetting.measure(run.models.policy, run.models.reference, run.models.tokenizer, run.task,
+    # To the model the run started from: a moved reference is not it.
+    lost = forgetting.measure(run.models.policy, original_model(run), run.models.tokenizer, run.task,
                               prompts=mode.chat_prompts, max_new_tokens=mode.chat_tokens, temperature=cfg.temperature,
                               seed=eval_seed(seed, cfg.steps) + 1)
     return [{
@@ -111,7 +125,8 @@ def trained_point(point: str, seed: int, mode: Mode, args: argparse.Namespace) -
         "heldout_kl_greedy_per_seq": summary["eval_kl_per_seq"],
         "train_kl_exact_per_seq": summary["final_train_kl_exact_per_seq"], "steps": cfg.steps,
         "steps_rejected": summary["steps_rejected"], "steps_over_kl_bound": summary["steps_over_kl_bound"],
-        "per_problem": summary["per_problem_after"], **_forgetting_fields(lost),
+        "per_problem": summary["per_problem_after"], **_forgetting_fields(lost), "lora_rank": cfg.lora_rank,
+        "final_interpolation": summary.get("final_interpolation"),
         "seconds": time.perf_counter() - start,
     }]
 
@@ -185,8 +200,9 @@ class InProcess:
 def selected(only: str) -> list[str]:
     """The points named by ``--only``: comma-separated point names or prefixes (``constant``, ``budget-t``)."""
     chosen = []
-    for word in only.split(","):
-        points = [p for p in GRID if p == word or p.startswith(word + "-") or (word.endswith("-") and p.startswith(word))]
+    for word in only.split(","):  # a point's own name picks it alone (constant-0, not constant-0-land-t1)
+        points = [word] if word in GRID else [p for p in GRID if p.startswith(word + "-") or
+                                              (word.endswith("-") and p.startswith(word))]
         if not points:
             raise SystemExit(f"--only: {word!r} names no point; expected a point or a prefix of one of {list(GRID)}")
         chosen += [p for p in points if p not in chosen]

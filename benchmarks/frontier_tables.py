@@ -1,8 +1,9 @@
 """The frontier page's tables and plot, from ``benchmarks/results/frontier.jsonl`` (``tables.py`` runs them).
 
 Each point: its mean over seeds and 95 % t interval of held-out accuracy and held-out KL, the
-gain over the untrained model, the forgetting axis, and its residual against the constant-beta
-curve. The curve: the constant-beta points' means (beta = 0 included), ordered by mean KL and
+gain over the untrained model, the forgetting axis, and its residual against a constant-beta
+curve (``CURVE_OF``: full fine-tuning's for the moving reference, LoRA's for every other
+variant). A curve: its constant-beta points' means (beta = 0 included), ordered by mean KL and
 joined by straight lines, its end segments extended beyond them; a run's residual is its accuracy
 less the curve at its own KL, and a point's residual is the mean and t interval of its runs'.
 The interval is over seeds only: the curve's own noise is not in it. Records of ``--quick``
@@ -27,11 +28,23 @@ def _family(point: str) -> str:
     return re.sub(r"-t?[\d.]+$", "", point)
 
 
-def curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """``(mean KL, mean accuracy)`` of each constant-beta point, by KL: the curve's knots."""
+# Family -> the constant-beta family whose curve its residual is read against: fully fine-tuned
+# variants against the fully fine-tuned constant beta; every other family against LoRA's.
+CURVES = ("constant", "full-constant")
+CURVE_OF: dict[str, str] = {"budget-moving": "full-constant"}
+
+
+def curve_family(point: str) -> str | None:
+    """The curve a point's residual is read against; None for a point on a curve itself."""
+    family = _family(point)
+    return None if family in CURVES else CURVE_OF.get(family, "constant")
+
+
+def curve(records: list[dict[str, Any]], family: str = "constant") -> list[tuple[float, float]]:
+    """``(mean KL, mean accuracy)`` of each point of the constant-beta ``family``, by KL: the curve's knots."""
     points: dict[str, list[dict]] = {}
     for r in records:
-        if r["point"].startswith("constant-"):
+        if _family(r["point"]) == family:
             points.setdefault(r["point"], []).append(r)
     knots = [(sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs), sum(r["heldout_accuracy"] for r in rs) / len(rs))
              for rs in points.values()]
@@ -68,10 +81,10 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
     records = [r for r in records if r.get("mode") == mode]
     if not records:
         return f"No {mode} frontier runs recorded yet (`python benchmarks/frontier.py{'' if mode == 'full' else ' --' + mode}`)."
-    knots = curve(records)
+    curves = {family: curve(records, family) for family in CURVES}
     base = {r["seed"]: r["heldout_accuracy"] for r in records if r["point"] == "base"}
     lines = ["| point | seeds | held-out accuracy, % | gain over the untrained model, points | held-out KL, sampled "
-             "(nats / answer) | residual vs constant β, points | chat-prompt KL (nats / answer) | instructions followed, % |",
+             "(nats / answer) | residual vs constant β (its curve), points | chat-prompt KL (nats / answer) | instructions followed, % |",
              "|---|---|---|---|---|---|---|---|"]
     by_point: dict[str, list[dict]] = {}
     for r in records:
@@ -79,10 +92,13 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
     for point in sorted(by_point, key=_order):
         rs = sorted(by_point[point], key=lambda r: r["seed"])
         gains = [r["heldout_accuracy"] - base[r["seed"]] for r in rs if r["seed"] in base]
-        residual = "–" if len(knots) < 2 or point.startswith("constant-") else _cell(
+        against = curve_family(point)
+        knots = curves[against] if against else []
+        residual = "–" if len(knots) < 2 else _cell(
             [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in rs], 100, "{:+.1f}")
-        outside = knots and not point.startswith("constant-") and not (
-            knots[0][0] <= sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs) <= knots[-1][0])
+        residual += f" ({against})" if residual != "–" and against != "constant" else ""
+        mean_kl = sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs)
+        outside = knots and not knots[0][0] <= mean_kl <= knots[-1][0]
         lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')} "
                      f"| {_cell([r['heldout_kl_sampled_per_seq'] for r in rs], fmt='{:.2f}')} | {residual}"
                      f"{' (extrapolated)' if outside and residual != '–' else ''} "
@@ -127,7 +143,7 @@ def plot(path: Path) -> None:
     for family, points in sorted(families.items()):
         rows = sorted((_summary(rs, "heldout_kl_sampled_per_seq"), _summary(rs, "heldout_accuracy", 100),
                        _gains(rs, base), _summary(rs, "forgetting_kl_sampled_per_seq")) for rs in points.values())
-        style = "-" if family in ("constant", "best-of-n") else ":"
+        style = "-" if family in (*CURVES, "best-of-n") else ":"
         _bars(left, [x for x, _, _, _ in rows], [y for _, y, _, _ in rows], family, style)
         _bars(right, [f for _, _, _, f in rows], [g for _, _, g, _ in rows], family, "")
     left.set_xlabel("held-out KL of sampled answers to the reference (nats / answer)")

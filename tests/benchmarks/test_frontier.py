@@ -65,10 +65,18 @@ def test_a_second_call_skips_the_recorded_jobs_and_a_budget_leaves_the_rest(reco
     assert {r["point"] for r in _results.read("frontier", tmp / "results")} >= {"constant-0"}
 
 
-def test_points_waiting_for_their_config_fields_are_named_not_run_and_a_bad_name_is_refused():
-    assert frontier.GRID["budget-moving-t2"] is None and frontier.GRID["budget-avg-t4"] is None
+def test_every_point_s_config_validates_and_a_name_picks_its_point_alone():
+    """Each point of the grid is a config tether train accepts (its fields exist and combine), in
+    the quick mode and the full one; a point's own name picks only it, a prefix its family."""
+    for name in ("quick", "full"):
+        args = frontier.parse_args(["--quick"] if name == "quick" else [])
+        for point, overrides in frontier.GRID.items():
+            assert overrides is not None, point
+            frontier._cfg(point, 0, frontier.MODES[name], args).validate()
+    assert frontier.GRID["budget-avg-t2"]["weight_average"] == frontier.AVERAGE_DECAY
+    assert frontier.GRID["budget-moving-t2"]["lora_rank"] == frontier.GRID["full-constant-0.1"]["lora_rank"] == 0
+    assert frontier.selected("constant-0") == ["constant-0"]
+    assert frontier.selected("constant-0-land") == [f"constant-0-land-t{t}" for t in (1, 2, 3, 4)]
     assert frontier.selected("budget-push") == [f"budget-push-t{t}" for t in (1, 2, 3, 4)]
-    assert frontier.plan(frontier.parse_args(["--only", "budget-moving", "--seeds", "0"]), frontier.MODES["full"],
-                         Path("/nonexistent")) == []
     with pytest.raises(SystemExit, match="--only: 'beta' names no point"):
         frontier.selected("beta")

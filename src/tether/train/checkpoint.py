@@ -1,13 +1,14 @@
 """The run directory and its checkpoints: what a run writes so that nothing is lost.
 
 ``checkpoints/step_NNNNNN/`` holds ``policy.safetensors`` (trainable parameters),
-``reference.safetensors`` (only when the reference moves), ``optimizer.safetensors``,
-``rng.safetensors``, ``state.json`` (step, data cursor, controller and reference state) and
-``manifest.json`` (size and SHA-256 of every other file, written last). It is written beside and
-renamed into place, so a killed process leaves the previous checkpoint intact; the newest ``keep``
-are kept and ``newest_intact`` picks the newest the manifest vouches for. Nothing is pickled. A
-sharded learner writes the same files (rank 0 writes the gathered tensors); a resume on another
-world size is refused (the sums would round differently).
+``reference.safetensors`` (only when the reference moves), ``average.safetensors`` (only with
+``weight_average``), ``optimizer.safetensors``, ``rng.safetensors``, ``state.json`` (step, data
+cursor, controller and reference state) and ``manifest.json`` (size and SHA-256 of every other
+file, written last). It is written beside and renamed into place, so a killed process leaves the
+previous checkpoint intact; the newest ``keep`` are kept and ``newest_intact`` picks the newest
+the manifest vouches for. Nothing is pickled. A sharded learner writes the same files (rank 0
+writes the gathered tensors); a resume on another world size is refused (the sums would round
+differently).
 
 A checkpoint records the run's config and the fingerprint of its base model and tokenizer
 (``checkpoint_record``); loading one checks both against the run (``check_record``): what a
@@ -113,10 +114,12 @@ def save_checkpoint(
     rng: dict[str, torch.Tensor],
     reference: nn.Module | None = None,
     keep: int = 2,
+    average: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and drop all but the newest ``keep``.
 
-    Every rank of a sharded learner calls this (the tensors are gathered); rank 0 writes."""
+    Every rank of a sharded learner calls this (the tensors are gathered); rank 0 writes.
+    ``average``: ``weight_average``'s running average, saved as ``average.safetensors``."""
     weights = _trainable(policy)
     ref = None if reference is None else {n: _full(p) for n, p in reference.named_parameters()}
     opt_tensors, opt_meta = _optimizer_tensors(optimizer)
@@ -125,7 +128,7 @@ def save_checkpoint(
     if not is_writer():
         return final
     tensors = {"policy": weights, "reference": ref, "optimizer": opt_tensors,
-               "rng": {k: v.contiguous() for k, v in rng.items()}}
+               "rng": {k: v.contiguous() for k, v in rng.items()}, "average": average}
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)

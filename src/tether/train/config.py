@@ -112,6 +112,8 @@ class TrainConfig:
     kl_adaptive_lr: bool = _f(False, "kl_controller=budget: scale the next step's learning rate by the scale the budget kept (to the power kl_adaptive_lr_gain; a rejected update halves it) and raise it by 1.5x (to the same power) after a step it did not pull back, never above the schedule's rate.")
     kl_adaptive_lr_gain: float = _f(1.0, "kl_adaptive_lr: the power on each factor, in (0, 1]; 1 follows the kept scale in one step.")
     reference_move_budget: float = _f(8.0, "reference_move: ceiling on the kept weights' KL per answer (nats) to the original model, held after the reference has moved by pulling them back along the line to the original; at least kl_bound.")
+    weight_average: float = _f(0.0, "Decay mu of a running exponential average of the kept trainable weights, updated after every step's leash (avg <- mu avg + (1 - mu) kept, starting at the initial weights); after the last step the average replaces the weights (WARP's averaging) and, with kl_controller=budget or kl_bound, is pulled back along the line to the reference when over the band's upper edge (1 + kl_band / 2) x kl_target or the ceiling. 0 off; in [0, 1).")
+    final_kl_target: float = _f(0.0, "After the last step (and the average), move the weights to theta_0 + lambda (theta_T - theta_0), lambda in [0, 1] found by the budget's line search so the KL per answer on the last step's answers lands at or under this target (WiSE-FT / WARP's interpolation; lambda and the KL go to the summary as final_interpolation, final_kl_per_seq). 0 off; at most kl_bound.")
     # --- data and rewards (tether.train.tasks, tether.train.rewards)
     dataset: str = _f("", "Prompts from a .jsonl/.csv/.parquet file, a save_to_disk directory or a Hub dataset id in the local Hugging Face cache (its train split), read offline with `datasets`, instead of --task.")
     prompt_column: str = _f("prompt", "Dataset column holding each prompt: chat messages or plain text; the other columns reach the reward functions.")
@@ -209,6 +211,7 @@ class TrainConfig:
              "reference_update: 'ema' is not defined for LoRA policies (mixing the low-rank factors "
              "does not mix the adapted weights); use 'sync' or lora_rank=0")
         p.extend(_reference_move_problems(self))
+        p.extend(_finish_problems(self))
         p.extend(_loop_problems(self))
         p.extend(_task_problem(self.task))
         p.extend(_data_problems(self))
@@ -241,6 +244,8 @@ _RANGES: dict[str, dict[str, Any]] = {
     "reference_move_alpha": {"low": 0, "low_open": True, "high": 1},
     "reference_move_budget": {"low": 0, "low_open": True},
     "kl_adaptive_lr_gain": {"low": 0, "low_open": True, "high": 1},
+    "weight_average": {"low": 0, "high": 1, "high_open": True, "fix": "0 turns it off; 0.8 averages about 5 steps."},
+    "final_kl_target": {"low": 0, "fix": "0 turns it off."},
 }
 
 
@@ -346,6 +351,12 @@ def _unknown_key(key: str, known: Collection[str]) -> str:
 
 def _data_problems(cfg: TrainConfig) -> list[str]:
     from tether.train.data import config_problems
+
+    return config_problems(cfg)
+
+
+def _finish_problems(cfg: TrainConfig) -> list[str]:
+    from tether.train.averaging import config_problems
 
     return config_problems(cfg)
 

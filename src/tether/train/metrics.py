@@ -26,6 +26,7 @@ from tqdm import tqdm
 from tether.models import TransformersWrapper
 from tether.models.score_plan import row_slices
 from tether.models.scoring import exact_kl_tokens
+from tether.train.averaging import FINISH_KEYS
 from tether.train.rewards import RewardError, TaskReward, samples_from_batch, with_checkpoints
 from tether.train.tasks import Problem, Task, episode_stats, make_tool_rollout, prompt_batch, tool_metrics, tool_summary
 
@@ -307,6 +308,7 @@ def summarize(run: Run, before: dict, after: dict, seconds: float) -> dict[str, 
         "eval_size": len(run.held_out),
         **({"best_eval_step": run.best.step, "best_eval_accuracy": run.best.accuracy} if run.cfg.eval_every else {}),
         **tool_summary(before, after),
+        **{key: records[-1][key] for key in FINISH_KEYS if records and key in records[-1]},  # the finishes'
     }
     numbers = [key for key, value in summary.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
     return {**summary, "units": {key: summary_unit(key) for key in numbers}}
@@ -323,6 +325,8 @@ _SUMMARY_UNITS: tuple[tuple[str, str], ...] = (
                            "(exact over the vocabulary)"),
     ("kl_exact_per_seq", "nats per answer, summed over its tokens (exact over the vocabulary)"),
     ("kl_per_seq", "nats per answer, summed over its tokens"),
+    ("final_interpolation", "lambda of the final weights theta_0 + lambda (theta_T - theta_0)"),
+    ("weight_average_scale", "scale kept on the line from the reference to the averaged weights"),
     ("steps_over_kl_bound", "training steps whose kept weights read over kl_bound"),
     ("steps_rejected", "training steps whose update was rejected"),
     ("kl_bound", "nats per answer"),

@@ -24,6 +24,7 @@ from tether.models.records import GRPOLossOutput, GRPOTokenTerms, StepRecord, gr
 from tether.ops import (aggregate, aggregate_denominator, effective_sample_size, group_advantages, gspo_log_ratio,
                         importance_weights, kl_estimate, kl_loss_term, reward_to_go, row_slices, trust_region_surrogate)
 from tether.train import train_command
+from tether.train.averaging import finish_step
 from tether.train.config import KL_LOSS_FORMS, TrainConfig
 from tether.train.metrics import log_completions
 from tether.train.rewards import RewardError, Rewards, Samples, keep_informative, with_checkpoints
@@ -204,6 +205,7 @@ def train_step(run: Run, step: int, rollout: Rollout = sample) -> dict[str, Any]
     move = hold_kl_budget(run, record)  # the budget's move or rejection, and the ceiling kl_bound, on the kept weights
     run.scheduler.step()
     leash = {**({} if move is None else move.metrics()), **hold_variants(run, record, move)}  # docs/leash.md
+    leash.update(finish_step(run, record, step))  # weight_average, and after the last step the finishes
     kl = measure_kl(sampled_kl, update.terms.kl_to_ref_exact, update.terms.mask)
     if cfg.kl_control_signal == "exact" and cfg.kl_controller != "budget":  # known only now: beta for the next update
         run.controller.update(kl.signal)

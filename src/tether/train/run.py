@@ -5,9 +5,9 @@ for the loss pass, optimizer, schedule, KL controller, reference updater, the re
 validated before anything is written. ``open_run`` starts the run directory (or resumes from its
 newest checkpoint), ``close_step`` logs and checkpoints each step at its cadence, ``close_run``
 runs the final evaluation and writes the summary. A checkpoint holds the state beyond the weights
-and a resume puts every piece back (RNGs, controller, schedule, reference updater, best eval, logs
-cut back to the checkpoint's step), so a resumed run ends bit-identical to one that was never
-stopped (on CPU). With a sharded learner, rank 0 alone writes the run directory.
+and a resume puts every piece back (RNGs, controller, schedule, reference updater, weight average,
+best eval, logs cut back to the checkpoint's step), so a resumed run ends bit-identical to one
+that was never stopped (on CPU). With a sharded learner, rank 0 alone writes the run directory.
 
 ``--model`` is read by ``tether.models.loading.load_base`` (offline, safetensors only). With LoRA the reference is the policy with its adapter disabled
 unless it has to move (``sync``); full fine-tuning and a continued adapter (``cfg.adapter``) take
@@ -38,6 +38,7 @@ from tether.models import ReferenceUpdater, TransformersWrapper, adapter_disable
 from tether.models.records import StepRecord
 from tether.models.loading import adapter_digest, fingerprint, load_adapter, load_base
 from tether.ops.checks import lookup, real_number
+from tether.train.averaging import WeightAverage, weight_average
 from tether.train.checkpoint import checkpoint_record, newest_intact, open_checkpoint, read_state, save_checkpoint
 from tether.train.periodic_eval import BestEval, periodic_eval
 from tether.train.run_dir import best_root, check_new_run_dir, clear_run_dir, write_config, write_run_start
@@ -89,6 +90,7 @@ class Run:
     line: ReferenceLine | None = None  # the weights the budget and the ceiling kl_bound move toward the reference
     moving: MovingReference | None = None  # reference_move: the mover and the line to the original model
     lr_follow: BudgetLR | None = None  # kl_adaptive_lr: the multiplier on the schedule's learning rate
+    average: WeightAverage | None = None  # weight_average: the running average of the kept weights
     excluded: frozenset[str] = field(init=False)  # keys of the held-out problems, never drawn for training
 
     def __post_init__(self) -> None:
@@ -172,7 +174,7 @@ def build_run(cfg: TrainConfig, *, fresh: bool = False, inputs: Inputs | None = 
         reward=build_reward(cfg, task, models.device, functions), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         tracker=NullTracker(run_dir), ranks=ranks,
         line=ReferenceLine(models.policy, models.reference) if cfg.kl_controller == "budget" or cfg.kl_bound else None,
-        moving=moving_reference(cfg, models), lr_follow=budget_lr(cfg),
+        moving=moving_reference(cfg, models), lr_follow=budget_lr(cfg), average=weight_average(cfg, models.policy),
     )
     share_run(run)
     return run
@@ -198,7 +200,8 @@ def save_run(run: Run, step: int, extra: dict[str, Any], *, root: Path | None = 
     rng = {"torch": torch.get_rng_state(), "sampling": run.generator.get_state()}  # equal on every rank
     save_checkpoint(root or run.dir, step, policy=run.models.policy, optimizer=run.optimizer,
                     state=_state(run, step, extra), rng=rng, reference=run.models.movable_reference,
-                    keep=keep or run.cfg.keep_checkpoints)
+                    keep=keep or run.cfg.keep_checkpoints,
+                    average=None if run.average is None else run.average.state_dict())
 
 
 def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
@@ -214,6 +217,8 @@ def restore_run(run: Run) -> tuple[int, dict[str, Any]]:
         run.ref_updater.load_state_dict(ckpt.state["reference_updater"])
     if run.moving is not None:
         run.moving.mover.load_state_dict(ckpt.state["reference_move"])
+    if run.average is not None:
+        run.average.load(ckpt.path / "average.safetensors")
     if run.lr_follow is not None:  # the optimizer's saved rates already carry it
         run.lr_follow.multiplier = real_number("lr_multiplier", ckpt.state["lr_multiplier"], low=0, low_open=True)
     if "lr_scheduler" in ckpt.state:
