@@ -63,6 +63,17 @@ GRID: dict[str, dict[str, Any] | None] = {
     **{f"budget-moving-t{t:g}": {**_budget(t, False), "reference_move": "reset", **FULL} for t in TARGETS},
     "best-of-n": {},
 }
+# Longer runs, where a constant beta drifts and a moving reference should pay: the same families at
+# LONG_STEPS steps, fewer points each (three times a 16-step run's cost), on curves of their own.
+LONG_STEPS = 48
+LONG_TARGETS, LONG_BETAS = (1.0, 3.0), (0.0, 0.05, 0.1, 0.3)
+GRID |= {
+    **{f"long-constant-{b:g}": {**GRID[f"constant-{b:g}"], "steps": LONG_STEPS} for b in LONG_BETAS},
+    **{f"long-{family}-t{t:g}": {**GRID[f"{family}-t{t:g}"], "steps": LONG_STEPS}
+       for family in ("budget", "budget-avg") for t in LONG_TARGETS},
+    **{f"long-full-constant-{b:g}": {**GRID[f"full-constant-{b:g}"], "steps": LONG_STEPS} for b in LONG_BETAS},
+    **{f"long-budget-moving-t{t:g}": {**GRID[f"budget-moving-t{t:g}"], "steps": LONG_STEPS} for t in LONG_TARGETS},
+}
 
 
 @dataclass(frozen=True)
@@ -100,7 +111,8 @@ def _cfg(point: str, seed: int, mode: Mode, args: argparse.Namespace):
                        out=str(Path(args.out) / mode.name / f"{point}-s{seed}"), overwrite=True,
                        eval_size=mode.eval_size, checkpoint_every=0)
     sets = parse_overrides(args.set)
-    return base.override({**dict(mode.train), **(GRID[point] or {}), **sets})
+    # The mode's sizes win over a point's (``--quick`` runs a long point for its 2 steps too).
+    return base.override({**(GRID[point] or {}), **dict(mode.train), **sets})
 
 
 def trained_point(point: str, seed: int, mode: Mode, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -65,6 +65,10 @@ def test_the_moving_reference_is_read_against_full_fine_tuning_and_a_landed_poin
     assert frontier_tables.curve_family("budget-moving-t3") == "full-constant"
     assert frontier_tables.curve_family("constant-0-land-t3") == "constant"
     assert frontier_tables.curve_family("full-constant-0.1") is None
+    # the 48-step runs have curves of their own: LoRA's and full fine-tuning's
+    assert [frontier_tables.curve_family(p) for p in ("long-budget-t1", "long-budget-avg-t3", "long-budget-moving-t1",
+                                                      "long-constant-0.1", "long-full-constant-0")] == [
+        "long-constant", "long-constant", "long-full-constant", None, None]
     table = frontier_tables.points_table(RECORDS + full, "full").splitlines()
     row = {line.split(" | ")[0][2:]: line for line in table if line.startswith("| ")}
     assert "| +6.0 (-6.7 to +18.7) (full-constant) |" in row["budget-moving-t1"]
