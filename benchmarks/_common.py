@@ -119,6 +119,20 @@ def cap_memory(cap_mib: float | None, device: str) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (held + int(cap_mib * 2**20), hard))
 
 
+def unleashed_step(run, step: int):
+    """One step's update with nothing after it (no leash, no logging): sample, reward, reference,
+    advantage, optimize. Returns the step's record, for benches that probe the leash on it."""
+    from tether.train.recipe import add_advantages, add_reference, add_rewards, optimize, sample, step_problems
+
+    problems = step_problems(run, step)
+    record = sample(run, problems, step)
+    add_rewards(run, record, problems, step)
+    add_reference(run, record)
+    add_advantages(run, record)
+    optimize(run, record, step)
+    return record
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     """A GitHub-flavoured Markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -17,14 +17,18 @@ absolute error).
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 
 import torch
 
-from tether.train.config import TrainConfig
-from tether.train.recipe import add_advantages, add_reference, optimize, sample, add_rewards, step_problems
-from tether.train.run import build_run
-from tether.train.updates import CONFIRM_EVERY, answer_kl, confirm_rows
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import unleashed_step  # noqa: E402
+
+from tether.train.config import TrainConfig  # noqa: E402
+from tether.train.run import build_run  # noqa: E402
+from tether.train.updates import CONFIRM_EVERY, answer_kl, confirm_rows  # noqa: E402
 
 
 def estimate_error(before: torch.Tensor, after: torch.Tensor, rows: torch.Tensor) -> float:
@@ -49,12 +53,7 @@ def main() -> None:
           "every third group | random third of each group: mean / max | random third of the groups: mean / max |")
     print("|---|---|---|---|---|---|---|---|---|")
     for step in range(args.steps):
-        problems = step_problems(run, step)
-        record = sample(run, problems, step)
-        add_rewards(run, record, problems, step)
-        add_reference(run, record)
-        add_advantages(run, record)
-        optimize(run, record, step)
+        record = unleashed_step(run, step)
         run.line.capture()
         ids = record.group_ids
         groups = sorted(set(ids.tolist()))

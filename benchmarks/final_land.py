@@ -12,15 +12,19 @@ in 0.951-1), and the KL readings it spent (each a policy forward over the step's
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
-from tether.control.budget import ReferenceLine
-from tether.train.averaging import land_on_target
-from tether.train.config import TrainConfig
-from tether.train.recipe import add_advantages, add_reference, add_rewards, optimize, sample, step_problems
-from tether.train.run import build_run
-from tether.train.updates import answer_kl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import unleashed_step  # noqa: E402
+
+from tether.control.budget import ReferenceLine  # noqa: E402
+from tether.train.averaging import land_on_target  # noqa: E402
+from tether.train.config import TrainConfig  # noqa: E402
+from tether.train.run import build_run  # noqa: E402
+from tether.train.updates import answer_kl  # noqa: E402
 
 
 def main() -> None:
@@ -35,12 +39,7 @@ def main() -> None:
                       learning_rate=args.learning_rate, kl_controller="constant", kl_coef=0.0, kl_bound=0.0)
     run = build_run(cfg)
     for step in range(args.steps):
-        problems = step_problems(run, step)
-        record = sample(run, problems, step)
-        add_rewards(run, record, problems, step)
-        add_reference(run, record)
-        add_advantages(run, record)
-        optimize(run, record, step)
+        record = unleashed_step(run, step)
     params = [p for p in run.models.policy.parameters() if p.requires_grad]
     trained = [p.detach().clone() for p in params]
     line = ReferenceLine(run.models.policy, run.models.reference)
