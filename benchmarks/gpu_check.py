@@ -31,11 +31,9 @@ CPU: `python benchmarks/gpu_check.py --dry-run` (tiny models and sizes; CUDA-onl
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import shutil
 import signal
@@ -50,6 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_wheels import join_parts, split_wheel, stash_parts
+from gpu_workers import PARITY_TOLERANCE, nccl_worker, parity_worker
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "benchmarks"
 SCHEMA = 1
@@ -61,9 +62,6 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "safetensors", "trito
 CPU_DEFAULT_RUN = {"accuracy_before": 0.180, "accuracy_after": 0.580, "gain_points": 40.0}
 GAIN_TOLERANCE_POINTS = 5.0
 TRAIN_TARGET_S = 120.0
-# bf16 scoring against float64 (see parity_worker): mean and largest |log p error| per token, and
-# the relative error of the summed exact KL.
-PARITY_TOLERANCE = {"logprob_mean_abs": 0.1, "logprob_max_abs": 1.0, "kl_sum_rel": 0.1}
 # The dry run's memory cap per attempt: tiny's full step fits in it, tiny-wide's 0.44 GB of weights do not.
 DRY_RUN_CAP_MIB = 200
 # Imports the carried packages must pass (installed with --no-deps, their needs are the image's).
@@ -72,10 +70,6 @@ IMPORT_PROBE = ("import importlib, json\nr = {}\nfor m in ('tensordict', 'gguf',
                 "    except Exception as e:\n        r[m] = f'{type(e).__name__}: {e}'[:300]\n"
                 "print('IMPORTS ' + json.dumps(r))")
 STATUSES = ("ran", "failed", "timeout", "skipped_no_cuda", "skipped")
-
-
-class PartsError(ValueError):
-    """A carried wheel's parts do not match their manifest."""
 
 
 class StageFailed(RuntimeError):
@@ -88,82 +82,6 @@ class StageFailed(RuntimeError):
 
 class StageTimeout(RuntimeError):
     """A stage's command ran past the stage's timeout and was killed."""
-
-
-# ------------------------------------------------------------------------------ wheel parts
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def split_wheel(wheel: Path, into: Path, part_mib: float) -> dict:
-    """Cut ``wheel`` into ``part-0``, ``part-1``, ... of at most ``part_mib`` MiB in ``into``, with
-    ``MANIFEST.json`` (names, sizes, SHA-256 of the parts and of the whole); returns the manifest."""
-    if part_mib <= 0:
-        raise ValueError(f"part_mib: expected a positive size in MiB, got {part_mib}.")
-    size, step = wheel.stat().st_size, int(part_mib * 2**20)
-    into.mkdir(parents=True, exist_ok=True)
-    parts = []
-    with open(wheel, "rb") as f:
-        for i in range(max(1, math.ceil(size / step))):
-            part = into / f"part-{i}"
-            part.write_bytes(f.read(step))
-            parts.append({"name": part.name, "size": part.stat().st_size, "sha256": sha256(part)})
-    manifest = {"wheel": wheel.name, "size": size, "sha256": sha256(wheel), "parts": parts}
-    (into / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
-    return manifest
-
-
-def read_manifest(folder: Path) -> dict | None:
-    path = folder / "MANIFEST.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def stash_parts(folder: Path, stash: Path) -> list[str]:
-    """Copy the parts of ``folder``'s manifest that were carried into ``stash``; the names copied."""
-    manifest = read_manifest(folder)
-    if manifest is None:
-        return []
-    stash.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for part in manifest["parts"]:
-        source = folder / part["name"]
-        if not source.is_file():
-            continue
-        if sha256(source) != part["sha256"]:
-            raise PartsError(f"{source}: SHA-256 differs from MANIFEST.json; rebuild the folder with "
-                             "`make gpu-wheels`.")
-        shutil.copyfile(source, stash / part["name"])
-        copied.append(part["name"])
-    (stash / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
-    return copied
-
-
-def join_parts(stash: Path) -> tuple[Path | None, list[str]]:
-    """``(wheel, [])`` once every part is in ``stash`` (joined and checked), else ``(None, missing parts)``."""
-    manifest = read_manifest(stash)
-    if manifest is None:
-        return None, ["MANIFEST.json"]
-    wheel = stash / manifest["wheel"]
-    if wheel.is_file() and sha256(wheel) == manifest["sha256"]:
-        return wheel, []
-    missing = [p["name"] for p in manifest["parts"]
-               if not (stash / p["name"]).is_file() or sha256(stash / p["name"]) != p["sha256"]]
-    if missing:
-        return None, missing
-    staging = stash / (wheel.name + ".tmp")
-    with open(staging, "wb") as out:
-        for p in manifest["parts"]:
-            out.write((stash / p["name"]).read_bytes())
-    if sha256(staging) != manifest["sha256"]:
-        staging.unlink()
-        raise PartsError(f"{wheel.name}: the joined parts' SHA-256 differs from MANIFEST.json; rebuild with "
-                         "`make gpu-wheels` and carry parts of one build.")
-    os.replace(staging, wheel)
-    return wheel, []
 
 
 # ------------------------------------------------------------------------------ the run
@@ -551,149 +469,6 @@ STAGES = (
     # Its own call after the model's parts are joined: --stages install,frontier --budget-s 520.
     Stage("frontier", 480, stage_frontier, needs_model=True, dry_run_too=True, least_s=240),
 )
-
-
-# ------------------------------------------------------------------------------ workers (child processes)
-PARITY_ROWS, PARITY_NOISE = 8, 0.05  # held-out problems scored; the policy's weight noise (x each matrix's std)
-
-
-def _parity_batch(tokenizer: Any, rows: int) -> tuple[Any, Any]:
-    """``(tokens, mask)``: held-out arithmetic prompts in the chat template, each with a short answer."""
-    import torch
-
-    from tether.train.tasks import load_task
-
-    ids = []
-    for problem in load_task("arithmetic").eval_set(rows):
-        text = tokenizer.apply_chat_template(problem.chat, tokenize=False, add_generation_prompt=True)
-        ids.append(tokenizer(text + f"The answer is {problem.answer}.", add_special_tokens=False)["input_ids"])
-    tokens = torch.full((len(ids), max(map(len, ids))), tokenizer.pad_token_id or 0, dtype=torch.long)
-    mask = torch.zeros(tokens.shape, dtype=torch.bool)
-    for i, row in enumerate(ids):
-        tokens[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), True
-    return tokens, mask
-
-
-def _errors(got: tuple[Any, Any], exact: tuple[Any, Any], where: Any) -> dict:
-    import torch
-
-    lp_err = (got[0] - exact[0]).abs()[where]
-    kl_exact, kl_got = exact[1][where], got[1][where]
-    return {
-        "logprob_mean_abs": float(lp_err.mean()), "logprob_p99_abs": float(torch.quantile(lp_err, 0.99)),
-        "logprob_max_abs": float(lp_err.max()), "logprob_mean_float64": float(exact[0][where].mean()),
-        "kl_sum_rel": float((kl_got.sum() - kl_exact.sum()).abs() / kl_exact.sum()),
-        "kl_per_token_max_abs": float((kl_got - kl_exact).abs().max()),
-    }
-
-
-def parity_worker(device: str, model_name: str) -> dict:
-    """bf16 scoring on ``device`` against float64 on the CPU, on the same tokens.
-
-    The policy is the model with seeded noise on its decoder matrices, the reference the model
-    itself, so the exact KL is not zero. Two float64 baselines: the float32 weights (what bf16
-    training is measured against: weight rounding and bf16 compute together) and the same bf16-rounded
-    weights (the compute's rounding alone). Tolerance (PARITY_TOLERANCE): bf16 keeps 8 significant
-    bits, a relative rounding of 2^-9 per weight and activation, and the residual stream is rounded
-    again at each of its 2 x layers additions (60 in the embedded model): hidden states drift by ~1 %,
-    logits spread over ~20 nats move by tenths, and log-probs by a few hundredths on average (the
-    error of a token's logit and of the log-sum-exp partly cancel), tenths on the worst token. On
-    this batch bf16 on a CPU (its matrix products accumulate in float32, as cuBLAS's do) gave a mean
-    of 0.055, a largest error of 0.55 nats, a summed-KL error of 4 %, nearly all from the activations'
-    rounding (float64 on the bf16 weights: 0.054 / 0.50); the tolerance is twice that: 0.1, 1.0 nats,
-    10 %. tether's reductions over the vocabulary run in float32 and add nothing at this scale.
-    """
-    import copy
-
-    import torch
-
-    from tether.models.scoring import exact_kl_tokens, score_tokens
-    from tether.models.loading import load_base
-
-    reference, tokenizer = load_base(model_name, 0, torch.float32)
-    policy = copy.deepcopy(reference)
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, weight in policy.named_parameters():
-            if weight.dim() == 2 and ".layers." in name:
-                weight.add_(torch.randn(weight.shape, generator=noise) * weight.std() * PARITY_NOISE)
-    tokens, mask = _parity_batch(tokenizer, PARITY_ROWS)
-    where = mask.clone()
-    where[:, 0] = False  # a row's first token has no prediction
-
-    def score(pol: Any, ref: Any, dev: str) -> tuple[Any, Any]:
-        t, m = tokens.to(dev), mask.to(dev)
-        with torch.no_grad():
-            lp = score_tokens(pol, t, m).log_probs
-            kl = exact_kl_tokens(pol, ref, t, m)
-        return lp.double().cpu(), kl.double().cpu()
-
-    # Module.to converts in place: float64 first, then the same modules in bf16, then back to float64.
-    exact = score(policy.double(), reference.double(), "cpu")
-    pol_bf16, ref_bf16 = (m.to(device=device, dtype=torch.bfloat16) for m in (policy, reference))
-    start = time.perf_counter()
-    got = score(pol_bf16, ref_bf16, device)
-    seconds = time.perf_counter() - start
-    rounded = score(pol_bf16.to("cpu", torch.float64), ref_bf16.to("cpu", torch.float64), "cpu")
-    errors = _errors(got, exact, where)
-    return {
-        "model": model_name, "device": device, "sequences": int(tokens.shape[0]), "tokens_scored": int(where.sum()),
-        "weight_noise": PARITY_NOISE, "kl_per_token_float64": float(exact[1][where].mean()),
-        "logprob_mean_float64": float(exact[0][where].mean()), "bf16_scoring_s": seconds,
-        "bf16_vs_float64": errors, "bf16_vs_float64_of_bf16_weights": _errors(got, rounded, where),
-        "tolerance": PARITY_TOLERANCE,
-        "within_tolerance": all(errors[key] <= limit for key, limit in PARITY_TOLERANCE.items()),
-    }
-
-
-def nccl_worker(device_name: str) -> dict:
-    """One rank under torchrun: NCCL (gloo on the CPU) all-reduce, then the tiny model sharded by
-    tether's FSDP2 code against the same model unsharded: one loss forward and backward each."""
-    import copy
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tether.models.loading import load_base
-    from tether.train.sharding import _shard
-
-    cuda = device_name == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend)
-    try:
-        world = dist.get_world_size()
-        summed = torch.arange(4.0, device=device)
-        dist.all_reduce(summed)
-        model, _ = load_base("tiny", 0, torch.float32)
-        model.to(device)
-        sharded = copy.deepcopy(model)
-        units = _shard(sharded, init_device_mesh(device.type, (world,)))
-        tokens = torch.randint(0, 250, (4, 16), generator=torch.Generator().manual_seed(0)).to(device)
-        losses, grads = [], []
-        for m in (model, sharded):
-            loss = m(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            losses.append(float(loss))
-            grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
-                          for n, p in m.named_parameters() if p.grad is not None})
-        shared = sorted(set(grads[0]) & set(grads[1]))
-        grad_diff = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in shared)
-        grad_scale = max(float(grads[0][n].abs().max()) for n in shared)
-        loss_diff = abs(losses[0] - losses[1])
-        return {
-            "backend": backend, "world_size": world, "device": str(device),
-            "all_reduce_ok": bool(torch.equal(summed.cpu(), torch.arange(4.0) * world)), "fsdp_units": len(units),
-            "parameters_compared": len(shared), "parameters_total": len(grads[0]), "loss": losses[0],
-            "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff, "grad_max_abs": grad_scale,
-            "matches_unsharded": bool(len(shared) == len(grads[0]) and loss_diff <= 1e-5 * (1 + abs(losses[0]))
-                                      and grad_diff <= 1e-5 * (1 + grad_scale)),
-        }
-    finally:
-        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------ driver

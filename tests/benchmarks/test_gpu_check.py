@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
+import gpu_wheels  # noqa: E402
 import random_llama  # noqa: E402
 from _cuda_tests import marked_files, needs_gpu  # noqa: E402
 
@@ -222,43 +223,43 @@ def _wheel(tmp_path: Path, size: int) -> Path:
 
 def test_split_then_join_restores_the_wheel_byte_for_byte(tmp_path):
     wheel = _wheel(tmp_path, 2_500_000)
-    manifest = gpu_check.split_wheel(wheel, tmp_path / "model", part_mib=1.0)
+    manifest = gpu_wheels.split_wheel(wheel, tmp_path / "model", part_mib=1.0)
     assert [p["name"] for p in manifest["parts"]] == ["part-0", "part-1", "part-2"]
     assert all(p["size"] <= 2**20 for p in manifest["parts"]) and sum(p["size"] for p in manifest["parts"]) == 2_500_000
     stash = tmp_path / "stash"
-    assert gpu_check.stash_parts(tmp_path / "model", stash) == ["part-0", "part-1", "part-2"]
-    joined, missing = gpu_check.join_parts(stash)
+    assert gpu_wheels.stash_parts(tmp_path / "model", stash) == ["part-0", "part-1", "part-2"]
+    joined, missing = gpu_wheels.join_parts(stash)
     assert missing == [] and joined.name == wheel.name and joined.read_bytes() == wheel.read_bytes()
 
 
 def test_parts_carried_in_separate_calls_join_once_all_are_stashed(tmp_path):
     wheel = _wheel(tmp_path, 300_000)
-    gpu_check.split_wheel(wheel, tmp_path / "built", part_mib=0.2)
+    gpu_wheels.split_wheel(wheel, tmp_path / "built", part_mib=0.2)
     first, second, stash = tmp_path / "call-1", tmp_path / "call-2", tmp_path / "stash"
     for call, part in ((first, "part-0"), (second, "part-1")):
         call.mkdir()
         (call / "MANIFEST.json").write_bytes((tmp_path / "built" / "MANIFEST.json").read_bytes())
         (call / part).write_bytes((tmp_path / "built" / part).read_bytes())
-    assert gpu_check.stash_parts(first, stash) == ["part-0"]
-    assert gpu_check.join_parts(stash) == (None, ["part-1"])
-    assert gpu_check.stash_parts(second, stash) == ["part-1"]
-    joined, missing = gpu_check.join_parts(stash)
+    assert gpu_wheels.stash_parts(first, stash) == ["part-0"]
+    assert gpu_wheels.join_parts(stash) == (None, ["part-1"])
+    assert gpu_wheels.stash_parts(second, stash) == ["part-1"]
+    joined, missing = gpu_wheels.join_parts(stash)
     assert missing == [] and joined.read_bytes() == wheel.read_bytes()
 
 
 def test_a_damaged_part_is_refused(tmp_path):
     wheel = _wheel(tmp_path, 300_000)
-    gpu_check.split_wheel(wheel, tmp_path / "model", part_mib=0.2)
+    gpu_wheels.split_wheel(wheel, tmp_path / "model", part_mib=0.2)
     part = tmp_path / "model" / "part-1"
     data = part.read_bytes()
     part.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
-    with pytest.raises(gpu_check.PartsError, match="part-1: SHA-256 differs"):
-        gpu_check.stash_parts(tmp_path / "model", tmp_path / "stash")
+    with pytest.raises(gpu_wheels.PartsError, match="part-1: SHA-256 differs"):
+        gpu_wheels.stash_parts(tmp_path / "model", tmp_path / "stash")
 
 
 def test_split_refuses_a_size_that_is_not_positive(tmp_path):
     with pytest.raises(ValueError, match="part_mib"):
-        gpu_check.split_wheel(_wheel(tmp_path, 10), tmp_path / "model", part_mib=0)
+        gpu_wheels.split_wheel(_wheel(tmp_path, 10), tmp_path / "model", part_mib=0)
 
 
 # ------------------------------------------------------------------------------ two calls on one machine
@@ -268,8 +269,8 @@ def _two_call_setup(tmp_path, monkeypatch, bench_least_s: float = 20.0):
     ran, model = [], {"ready": False}
 
     def install(check, timeout_s):
-        gpu_check.stash_parts(check.wheels / "model", check.stash)
-        wheel, missing = gpu_check.join_parts(check.stash)
+        gpu_wheels.stash_parts(check.wheels / "model", check.stash)
+        wheel, missing = gpu_wheels.join_parts(check.stash)
         model["ready"] = wheel is not None
         return {"model_parts_missing": missing}
 
@@ -286,7 +287,7 @@ def _two_call_setup(tmp_path, monkeypatch, bench_least_s: float = 20.0):
     monkeypatch.setattr(gpu_check, "device_facts", lambda cuda: {"cuda_available": cuda})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     built = tmp_path / "built"
-    gpu_check.split_wheel(_wheel(tmp_path, 300_000), built, part_mib=0.2)
+    gpu_wheels.split_wheel(_wheel(tmp_path, 300_000), built, part_mib=0.2)
 
     def call(part: str, name: str, stash: str = "stash", budget_s: float = 520.0) -> tuple[int, dict]:
         model["ready"] = False  # each call is a new process
