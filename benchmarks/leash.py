@@ -7,8 +7,9 @@ loss mode, the higher rate also in the reward mode, and beta started 30x below t
 0.02. In each, every controller aims at one ``--kl-target``, at each of ``--seeds``.
 
 Each run's per-step record goes to ``benchmarks/results/leash.jsonl`` (``tables.py`` rebuilds the
-leash page's tables and plot from it). Scored per run: the share of steps 5-16 whose exact KL per
-answer (of the step's own batch, read by the weights that sampled it) lies within +-25 % of the
+leash page's tables and plot from it); with ``--lr-follow`` the budget's runs take ``kl_adaptive_lr``
+and go to ``leash_lrfollow.jsonl``, paired there with the plain budget's. Scored per run: the share
+of steps 5-16 whose exact KL per answer (of the step's own batch, read by the weights that sampled it) lies within +-25 % of the
 target, the largest such KL over the target, the steps whose kept weights read over ``kl_bound``
 (3) and the rejected updates. The goal: >= 80 % in band and no step above 1.5x the target in
 every run. A run whose directory holds a ``summary.json`` is read, not re-run.
@@ -34,7 +35,7 @@ from tether.train.recipe import train
 # What each run's record keeps of a step's metrics.
 STEP_KEYS = ("step", "kl_per_seq", "kl_exact_per_seq", "kl_move_before_per_seq", "kl_kept_per_seq", "kl_move_scale",
              "kl_move_forwards", "step_rejected", "kl_over_bound", "kl_coef", "reward_mean", "step_time",
-             "kl_move_seconds")
+             "kl_move_seconds", "lr", "lr_multiplier")
 
 CONTROLLERS = ("constant", "adaptive", "target", "budget")
 
@@ -62,8 +63,9 @@ def settings(quick: bool) -> list[Setting]:
 
 
 def run_one(setting: Setting, controller: str, seed: int, push: bool, args: argparse.Namespace) -> list[dict]:
+    follow = args.lr_follow and controller == "budget"
     tag = f"{setting.kl_mode}-lr{setting.learning_rate:g}-b{setting.kl_coef:g}-{controller}-s{seed}" + (
-        "" if push else "-nopush")
+        "" if push else "-nopush") + ("-lrfollow" if follow else "")
     out = Path(args.out) / tag
     cfg = TrainConfig(
         steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, seed=seed,
@@ -71,17 +73,18 @@ def run_one(setting: Setting, controller: str, seed: int, push: bool, args: argp
         learning_rate=setting.learning_rate, kl_coef=setting.kl_coef, kl_mode=setting.kl_mode,
         kl_estimator="k3" if setting.kl_mode == "loss" else "k1", kl_controller=controller, kl_push=push,
         kl_target=args.kl_target, kl_signal="exact", kl_bound=3.0, eval_size=0, checkpoint_every=0, out=str(out),
-        threads=args.threads, overwrite=True,
+        threads=args.threads, overwrite=True, kl_adaptive_lr=follow,
     )
     stamp = _results.stamp()  # the code the run ran, not the code when it ended
     if not (out / "summary.json").is_file():  # a finished run is read, not re-run
         train(cfg, progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if not args.quick:
-        _results.write("leash", {
+        _results.write("leash_lrfollow" if follow else "leash", {
             "setting": setting.name, "learning_rate": setting.learning_rate, "kl_coef": setting.kl_coef,
             "kl_mode": setting.kl_mode, "controller": controller, "seed": seed, "kl_push": push,
-            "kl_target": args.kl_target, "kl_bound": cfg.kl_bound, "prompts": args.prompts, "group": args.group,
+            "kl_target": args.kl_target, "kl_bound": cfg.kl_bound, "kl_adaptive_lr": follow,
+            "prompts": args.prompts, "group": args.group,
             "max_new_tokens": args.max_new_tokens, "threads": args.threads, **stamp,
             "steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in records],
         }, key=("setting", "controller", "seed", "kl_push", "kl_target"))
@@ -142,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated subset of constant,adaptive,target,budget (default: all four)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds, each a run of every setting")
     parser.add_argument("--push", choices=("on", "off", "both"), default="on", help="the budget's kl_push")
+    parser.add_argument("--lr-follow", action="store_true",
+                        help="the budget's runs with kl_adaptive_lr, recorded in leash_lrfollow.jsonl (tables.py "
+                             "pairs them with the plain budget's runs of leash.jsonl)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.group, args.max_new_tokens = 3, 2, 2, 8

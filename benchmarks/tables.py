@@ -103,18 +103,33 @@ def push_comparison(runs: list[dict[str, Any]]) -> str:
              if push and (s, seed, False) in budget]
     if not pairs:
         return "| pairs | |\n|---|---|\n| 0 | no run of the grid without the push yet |"
-    lines = ["| paired runs (setting, seed) | measure | push on | push off | on − off (95 % interval) |",
+    return _paired(pairs, ("push on", "push off", "on − off"), PAIRED_MEASURES)
+
+
+def lrfollow_comparison(follow: list[dict[str, Any]], plain: list[dict[str, Any]]) -> str:
+    """``kl_adaptive_lr`` against the plain budget (push off) on the same (setting, seed)."""
+    base = {(r["setting"], r["seed"]): r for r in plain if r["controller"] == "budget" and not r["kl_push"]}
+    pairs = [(r, base[r["setting"], r["seed"]]) for r in follow if (r["setting"], r["seed"]) in base]
+    if not pairs:
+        return ("No paired run yet (`python benchmarks/leash.py --controllers budget --push off --lr-follow "
+                "--settings 3,4 --seeds 0,1,2`).")
+    measures = [*PAIRED_MEASURES,
+                ("kept scale, steps 2-16, mean", lambda r: statistics.fmean(s["kl_move_scale"] for s in r["steps"][1:]), "{:.2f}"),
+                ("KL readings a step", lambda r: statistics.fmean(s["kl_move_forwards"] for s in r["steps"]), "{:.2f}")]
+    stamps = sorted({(r["machine"], r["commit"], r["date"]) for pair in pairs for r in pair})
+    return (_paired(pairs, ("rate follows", "plain budget", "follows − plain"), measures) + "\n\n"
+            + "; ".join(f"{m}, commit {c}, {d}" for m, c, d in stamps) + ".")
+
+
+def _paired(pairs: list[tuple[dict, dict]], names: tuple[str, str, str],
+            measures: list[tuple[str, Callable[[dict], float], str]]) -> str:
+    """A row a measure: both sides' means and their paired difference with its 95 % t interval."""
+    lines = [f"| paired runs (setting, seed) | measure | {names[0]} | {names[1]} | {names[2]} (95 % interval) |",
              "|---|---|---|---|---|"]
-    measures: list[tuple[str, Callable[[dict], float], str]] = [
-        ("steps 5-16 in band", lambda r: 100 * in_band(r), "{:.0f} %"),
-        ("largest KL / target, steps 5-16", lambda r: max(scored(r)), "{:.2f}"),
-        ("KL / target at step 5", lambda r: scored(r)[0], "{:.2f}"),
-        ("reward gain (last 4 steps − step 1)", _reward_gain, "{:+.3f}"),
-    ]
     for label, f, fmt in measures:
-        on, off = [f(a) for a, _ in pairs], [f(b) for _, b in pairs]
-        mean, low, high = interval([a - b for a, b in zip(on, off)])
-        lines.append(f"| {len(pairs)} | {label} | {fmt.format(statistics.fmean(on))} | {fmt.format(statistics.fmean(off))} "
+        one, two = [f(a) for a, _ in pairs], [f(b) for _, b in pairs]
+        mean, low, high = interval([a - b for a, b in zip(one, two)])
+        lines.append(f"| {len(pairs)} | {label} | {fmt.format(statistics.fmean(one))} | {fmt.format(statistics.fmean(two))} "
                      f"| {fmt.format(mean)} ({fmt.format(low)} to {fmt.format(high)}) |")
     return "\n".join(lines)
 
@@ -127,6 +142,14 @@ def _reward_gain(run: dict[str, Any]) -> float:
 
 def _setting_order(run: dict[str, Any]) -> tuple:
     return (run["kl_mode"] != "loss" or run["kl_coef"] < 0.01, run["kl_mode"], run["learning_rate"], run["kl_coef"])
+
+
+PAIRED_MEASURES: list[tuple[str, Callable[[dict], float], str]] = [
+    ("steps 5-16 in band", lambda r: 100 * in_band(r), "{:.0f} %"),
+    ("largest KL / target, steps 5-16", lambda r: max(scored(r)), "{:.2f}"),
+    ("KL / target at step 5", lambda r: scored(r)[0], "{:.2f}"),
+    ("reward gain (last 4 steps − step 1)", lambda r: _reward_gain(r), "{:+.3f}"),
+]
 
 
 def grid_provenance(runs: list[dict[str, Any]]) -> str:
@@ -280,6 +303,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-push": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), True)),
     "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
     "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
+    "leash-lrfollow-pairs": ("docs/leash.md", lambda: lrfollow_comparison(_results.read("leash_lrfollow"),
+                                                                         _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
