@@ -112,7 +112,7 @@ def lrfollow_comparison(follow: list[dict[str, Any]], plain: list[dict[str, Any]
     pairs = [(r, base[r["setting"], r["seed"]]) for r in follow if (r["setting"], r["seed"]) in base]
     if not pairs:
         return ("No paired run yet (`python benchmarks/leash.py --controllers budget --push off --lr-follow "
-                "--settings 3,4 --seeds 0,1,2`).")
+                "--settings 3,4,7 --seeds 0,1,2 --threads 1`).")
     measures = [*PAIRED_MEASURES,
                 ("kept scale, steps 2-16, mean", lambda r: statistics.fmean(s["kl_move_scale"] for s in r["steps"][1:]), "{:.2f}"),
                 ("KL readings a step", lambda r: statistics.fmean(s["kl_move_forwards"] for s in r["steps"]), "{:.2f}")]
