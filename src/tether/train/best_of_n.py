@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tether.models import TransformersWrapper
-from tether.models.score_plan import row_slices
+from tether.train.metrics import answered, answering
 from tether.train.rewards import TaskReward, samples_from_batch
-from tether.train.tasks import Problem, prompt_batch
+from tether.train.tasks import Problem
 
 
 def best_of_n_kl(n: int) -> float:
@@ -54,18 +53,13 @@ def sample_scored(policy: nn.Module, tokenizer: Any, task: Any, problems: list[P
     if samples < 1 or not problems:
         raise ValueError(f"samples, problems: expected at least one of each, got {samples} samples and "
                          f"{len(problems)} problems.")
-    device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    wrapper = TransformersWrapper(
-        policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
-        temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "generator": generator},
-    )
+    wrapper = answering(policy, tokenizer, prompt_format=prompt_format, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed)
     reward = TaskReward(task)
     rows = [p for p in problems for _ in range(samples)]
     totals, correct = [], []
-    for begin, end in row_slices(len(rows), batch_rows):
-        chunk = rows[begin:end]
-        scored = reward(samples_from_batch(wrapper(prompt_batch(chunk, prompt_format)), chunk), where="best-of-n")
+    for chunk, td in answered(wrapper, rows, prompt_format, batch_rows):
+        scored = reward(samples_from_batch(td, chunk), where="best-of-n")
         totals.append(scored.total.double())
         correct.append(scored.correct.bool())
     shape = (len(problems), samples)

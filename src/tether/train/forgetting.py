@@ -18,11 +18,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tether.models import TransformersWrapper
-from tether.models.score_plan import row_slices
-from tether.train.metrics import sampled_kl
+from tether.train.metrics import answered, answering, sampled_kl
 from tether.train.rewards import samples_from_batch
-from tether.train.tasks import Problem, prompt_batch
+from tether.train.tasks import Problem
 
 CHAT_PROMPTS = Path(__file__).resolve().parent / "data" / "chat_prompts.txt"
 _WORD = re.compile(r"[A-Za-z']+")
@@ -92,15 +90,11 @@ def instruction_problems(prompts: list[str], rules: list[str]) -> list[tuple[str
 def capability(policy: nn.Module, tokenizer: Any, items: list[tuple[str, Problem]], *, max_new_tokens: int,
                batch_rows: int = 64) -> list[bool]:
     """Whether each greedy answer to ``items`` (``instruction_problems``) passes its rule, in order."""
-    wrapper = TransformersWrapper(policy, tokenizer, input_mode="history", generate=True,
-                                  generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False})
-    passed: list[bool] = []
-    for begin, end in row_slices(len(items), batch_rows):
-        chunk = items[begin:end]
-        problems = [p for _, p in chunk]
-        answers = samples_from_batch(wrapper(prompt_batch(problems, "chat")), problems).completions
-        passed += [RULES[name].check(answer) for (name, _), answer in zip(chunk, answers)]
-    return passed
+    wrapper = answering(policy, tokenizer, prompt_format="chat", max_new_tokens=max_new_tokens)
+    problems = [p for _, p in items]
+    answers = [a for chunk, td in answered(wrapper, problems, "chat", batch_rows)
+               for a in samples_from_batch(td, chunk).completions]
+    return [RULES[name].check(answer) for (name, _), answer in zip(items, answers)]
 
 
 # ------------------------------------------------------------------------------ both, for one run

@@ -151,6 +151,26 @@ class EvalResult:
         return asdict(self)
 
 
+def answering(policy: nn.Module, tokenizer: Any, *, prompt_format: str, max_new_tokens: int,
+              temperature: float = 1.0, seed: int | None = None) -> TransformersWrapper:
+    """The generating wrapper the evaluations answer with: greedy when ``seed`` is None, else sampled
+    at ``temperature`` from a generator of its own seeded ``seed`` (the run's draws are untouched)."""
+    options: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if seed is None:
+        options["do_sample"] = False
+    else:
+        options["generator"] = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+    return TransformersWrapper(policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text",
+                               generate=True, temperature=temperature, generate_kwargs=options)
+
+
+def answered(rollout: Any, problems: list[Problem], prompt_format: str, rows: int = _EVAL_BATCH):
+    """``(chunk, rollout's answers)`` for ``problems`` in chunks of at most ``rows``."""
+    for begin, end in row_slices(len(problems), rows):
+        chunk = problems[begin:end]
+        yield chunk, rollout(prompt_batch(chunk, prompt_format))
+
+
 @torch.no_grad()
 def evaluate(
     policy: nn.Module,
@@ -168,10 +188,8 @@ def evaluate(
 ) -> EvalResult:
     """Greedy accuracy and reward on ``problems`` (``reward``: the task's reward when None) and
     (optionally) the exact KL along the answers; ``progress`` shows a bar over the problems."""
-    wrapper = TransformersWrapper(
-        policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
-        temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "do_sample": False},
-    )
+    wrapper = answering(policy, tokenizer, prompt_format=prompt_format, max_new_tokens=max_new_tokens,
+                        temperature=temperature)
     tool_rollout = make_tool_rollout(task, wrapper)
     rollout = wrapper if tool_rollout is None else tool_rollout
     episodes = []
@@ -181,9 +199,7 @@ def evaluate(
     tokens_total = 0
     bar = tqdm(total=len(problems), desc="held-out evaluation", unit="problem", disable=not progress,
                dynamic_ncols=True)
-    for begin, end in row_slices(len(problems), _EVAL_BATCH):
-        chunk = problems[begin:end]
-        td = rollout(prompt_batch(chunk, prompt_format))
+    for chunk, td in answered(rollout, problems, prompt_format):
         if tool_rollout is not None:
             episodes.append(episode_stats(td))
         rewards = reward(samples_from_batch(td, chunk), where="held-out evaluation")
@@ -218,17 +234,12 @@ def sampled_kl(policy: nn.Module, reference: nn.Module, tokenizer, task: Task | 
     """Mean exact KL(pi || pi_ref) per answer, summed over its tokens, of one answer per problem
     sampled from ``policy`` at ``temperature``: what the leash holds on the training batches, on
     prompts it never trained on. The generator is its own (``seed``): the run's draws are untouched."""
-    device = next(policy.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    wrapper = TransformersWrapper(
-        policy, tokenizer, input_mode="history" if prompt_format == "chat" else "text", generate=True,
-        temperature=temperature, generate_kwargs={"max_new_tokens": max_new_tokens, "generator": generator},
-    )
+    wrapper = answering(policy, tokenizer, prompt_format=prompt_format, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed)
     tool_rollout = make_tool_rollout(task, wrapper)
     rollout = wrapper if tool_rollout is None else tool_rollout
     total = torch.zeros((), dtype=torch.float64)
-    for begin, end in row_slices(len(problems), _EVAL_BATCH):
-        td = rollout(prompt_batch(problems[begin:end], prompt_format))
+    for _, td in answered(rollout, problems, prompt_format):
         response = td["masks", "all_assistant_mask"].bool()
         kl = exact_kl_tokens(policy, reference, td["tokens", "full"], td["masks", "all_attention_mask"],
                              temperature=temperature, where=response)
