@@ -11,22 +11,34 @@ machine it uses (issue 29's goal: the step at >= 50 % of it). ``--ops`` profiles
 op by op (``torch.profiler``, per stage): how much of each stage is matrix products and
 attention, at what rate, and which other ops take the rest (its floor and the cause of the gap).
 
-    python benchmarks/step_profile.py                 # the default step, embedded model
-    python benchmarks/step_profile.py --model tiny --steps-json runs/profile.json
+A run of the embedded model appends its record to ``benchmarks/results/step_profile.jsonl``
+(``--results DIR`` elsewhere; a ``--model tiny`` run records only into a ``--results`` given), from
+which ``benchmarks/tables.py`` builds docs/performance.md's tables with ``table`` and ``ops_table``.
+
+    python benchmarks/step_profile.py --threads 2 --ops   # the default step, embedded model
+    python benchmarks/step_profile.py --model tiny --results /tmp/profile
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import os
 import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 
 STAGES = ("sample", "add_rewards", "add_reference", "add_advantages", "accumulate_gradients", "hold_kl_budget")
+TITLES = {"sample": "sampling (prefill and decode)", "add_rewards": "rewards",
+          "add_reference": "reference (log-probs and kept hidden states)", "add_advantages": "advantages",
+          "accumulate_gradients": "loss forward + backward (with the exact KL)",
+          "hold_kl_budget": "the budget's KL readings", "rest": "clip, optimizer, logging", "step": "step"}
+COMMAND = "python benchmarks/step_profile.py --threads 2 --ops"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", help="the config's dtype (bfloat16 runs the products in bf16)")
     p.add_argument("--ceiling-seconds", type=float, default=3.0, help="how long the matmul ceiling is timed")
-    p.add_argument("--steps-json", default=None, help="write the table as JSON here")
+    p.add_argument("--results", default=None,
+                   help="folder of step_profile.jsonl (default: benchmarks/results; a tiny-model run records only here)")
     p.add_argument("--ops", action="store_true", help="also profile a third step op by op, per stage")
     return p.parse_args(argv)
 
@@ -142,20 +155,58 @@ def profile_ops(run, recipe, step: int) -> dict[str, dict]:
     return found
 
 
-def print_ops(found: dict[str, dict], flops: dict[str, float]) -> None:
-    """The op table. An op's time is the span of its call on the thread that made it (its threads
-    run inside that span), so the columns add up to about the stage's wall time."""
-    print("\n| stage | matmul s | their GFLOP/s | other ops s | largest other ops (s) |")
-    print("|---|---|---|---|---|")
-    for name in STAGES:
-        if name not in found:
-            continue
-        stage = found[name]
-        other = sum(stage["other"].values())
+def _ops_record(found: dict[str, dict]) -> dict[str, dict]:
+    """Per stage: the matmul kernels' seconds, the other ops' total and their five largest."""
+    out = {}
+    for name, stage in found.items():
         top = sorted(stage["other"].items(), key=lambda kv: -kv[1])[:5]
-        rate = flops.get(name, 0.0) / stage["matmul"] if stage["matmul"] else 0.0
-        names = ", ".join(f"{k.removeprefix('aten::')} {v:.2f}" for k, v in top)
-        print(f"| {name} | {stage['matmul']:.2f} | {rate:.0f} | {other:.2f} | {names} |")
+        out[name] = {"matmul_s": stage["matmul"], "other_s": sum(stage["other"].values()),
+                     "largest_other_s": [[k.removeprefix("aten::"), v] for k, v in top]}
+    return out
+
+
+def _fmt(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """The newest recorded step of each model and dtype: seconds, GFLOP and the share of the
+    record's own matmul ceiling per stage."""
+    newest = {(r["model"], r["dtype"]): r for r in records}
+    if not newest:
+        return f"No profile is recorded yet: `{COMMAND}` records one in `benchmarks/results/step_profile.jsonl`."
+    parts = []
+    for (model, dtype), r in sorted(newest.items()):
+        ceiling = r["ceiling_gflop_per_s"]
+        lines = ["| stage | seconds | GFLOP | GFLOP/s | of the ceiling |", "|---|---|---|---|---|"]
+        for st in r["stages"]:
+            rate = st["gflop"] / st["seconds"] if st["seconds"] > 0 else 0.0
+            bold = "**" if st["stage"] == "step" else ""
+            cells = [TITLES[st["stage"]], _fmt(st["seconds"], 2), _fmt(st["gflop"], 1) if st["gflop"] else "0",
+                     _fmt(rate) if st["gflop"] else "", f"{100 * rate / ceiling:.0f} %" if st["gflop"] else ""]
+            lines.append("| " + " | ".join(f"{bold}{c}{bold}" if c else "" for c in cells) + " |")
+        parts.append("\n".join(lines) + f"\n\n{model} model, {dtype}, threads: {r['threads']}, ceiling {ceiling:,.0f} GFLOP/s "
+                     f"(`{r['ceiling_shape']}` float32); {r['machine']}, {r['date']}, commit {r['commit']}.")
+    return "\n\n".join(parts)
+
+
+def ops_table(records: list[dict[str, Any]]) -> str:
+    """The op split of the newest record that holds one (``--ops``)."""
+    found = [r for r in records if r.get("ops")]
+    if not found:
+        return f"No op profile is recorded yet: `{COMMAND}` records one."
+    r = found[-1]
+    gflop = {st["stage"]: st["gflop"] for st in r["stages"]}
+    lines = ["| stage | matrix products and attention (s) | their GFLOP/s | other ops (s) | largest other ops (s) |",
+             "|---|---|---|---|---|"]
+    for name in STAGES:
+        if name not in r["ops"]:
+            continue
+        op = r["ops"][name]
+        rate = gflop.get(name, 0.0) / op["matmul_s"] if op["matmul_s"] else 0.0
+        names = ", ".join(f"{k} {v:.2f}" for k, v in op["largest_other_s"])
+        lines.append(f"| {TITLES[name].split(' (')[0]} | {op['matmul_s']:.2f} | {rate:,.0f} | {op['other_s']:.2f} | {names} |")
+    return "\n".join(lines) + f"\n\n{r['model']} model, {r['dtype']}; {r['machine']}, {r['date']}, commit {r['commit']}."
 
 
 def main(argv=None) -> dict:
@@ -175,24 +226,21 @@ def main(argv=None) -> dict:
     hidden = run.models.policy.get_input_embeddings().embedding_dim
     rows = int(kept[0].attention_mask.sum())  # the step's tokens: the rows of its matrix products
     ceiling = matmul_ceiling(rows, hidden, 3 * hidden, args.ceiling_seconds)
-    table = []
-    print(f"one default step ({args.model}, {args.dtype}, {args.threads} threads): float32 matmul ceiling "
-          f"{ceiling:.0f} GFLOP/s ([{rows}, {hidden}] @ [{hidden}, {3 * hidden}] float32)\n")
-    print("| stage | seconds | GFLOP | GFLOP/s | of the ceiling |\n|---|---|---|---|---|")
-    for name in (*STAGES, "rest", "step"):
-        s, f = seconds.get(name, 0.0), flops.get(name, 0.0)
-        rate = f / s if s > 0 else 0.0
-        table.append({"stage": name, "seconds": s, "gflop": f, "gflop_per_s": rate, "of_ceiling": rate / ceiling})
-        print(f"| {name} | {s:.2f} | {f:.1f} | {rate:.0f} | {100 * rate / ceiling:.0f} % |")
-    report = {"model": args.model, "threads": args.threads, "ceiling_gflop_per_s": ceiling, "stages": table}
+    stages = [{"stage": name, "seconds": seconds.get(name, 0.0), "gflop": flops.get(name, 0.0)}
+              for name in (*STAGES, "rest", "step")]
+    record = {"run": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}", "model": args.model,
+              "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
+              "ceiling_gflop_per_s": ceiling, "ceiling_shape": f"[{rows}, {hidden}] @ [{hidden}, {3 * hidden}]",
+              "stages": stages, **_results.stamp()}
     if args.ops:
-        found = profile_ops(run, recipe, 3)
-        print_ops(found, flops)
-        report["ops"] = found
-    if args.steps_json:
-        with open(args.steps_json, "w") as fh:
-            json.dump(report, fh, indent=1)
-    return report
+        record["ops"] = _ops_record(profile_ops(run, recipe, 3))
+    print(table([record]))
+    if args.ops:
+        print("\n" + ops_table([record]))
+    if args.results or args.model == "default":
+        root = Path(args.results) if args.results else None
+        _results.write("step_profile", record, key=("run",), root=root)
+    return record
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
 import step_memory  # noqa: E402
+import step_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
@@ -308,6 +309,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
+    "step-profile": ("docs/performance.md", lambda: step_profile.table(_results.read("step_profile"))),
+    "step-profile-ops": ("docs/performance.md", lambda: step_profile.ops_table(_results.read("step_profile"))),
     **gpu_tables.TABLES,
 }
 
