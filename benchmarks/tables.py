@@ -23,6 +23,8 @@ import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
+import logprobs  # noqa: E402
+import sampling  # noqa: E402
 import step_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,6 +310,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
+    "sampling": ("docs/performance.md", lambda: sampling.table(_results.read("sampling"))),
+    "logprobs": ("docs/performance.md", lambda: logprobs.table(_results.read("logprobs"))),
     **gpu_tables.TABLES,
 }
 
