@@ -189,23 +189,32 @@ def table(records: list[dict]) -> str:
             f"`{r['command']}`.")
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None) -> argparse.Namespace:
     from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes for a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 3, quick 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
     parser.add_argument("--chunk-sizes", default=str(DEFAULT_CHUNK_SIZE),
                         help="comma-separated tether chunk sizes, one table row each (default: the default)")
     parser.add_argument("--results", type=Path, default=None,
                         help=f"write logprobs.jsonl here (default {_results.RESULTS}; a --quick run only when given)")
     args = parser.parse_args(argv)
-    shapes = QUICK if args.quick else FULL
     if args.repeats is None:
         args.repeats = 5 if args.quick else 3
-    results = args.results or (None if args.quick else _results.RESULTS)
-    chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
+    if args.results is None and not args.quick:
+        args.results = _results.RESULTS
+    text = args.chunk_sizes
+    args.chunk_sizes = [int(c) for c in text.split(",") if c.strip().isdigit() and int(c) > 0]
+    if len(args.chunk_sizes) != len(text.split(",")):
+        parser.error(f"--chunk-sizes: expected comma-separated positive integers such as 512,1024, got {text!r}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    shapes, results, chunk_sizes = QUICK if args.quick else FULL, args.results, args.chunk_sizes
     run = _results.run_id()
     print(f"label log-probs, float32, B={shapes['batch']} T={shapes['tokens']} V={shapes['vocab']} "
           f"H={shapes['hidden_size']}, torch {torch.__version__}, {torch.get_num_threads()} threads; median of "

@@ -7,7 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import _results  # noqa: E402
 import logprobs  # noqa: E402
 from _common import Measurement  # noqa: E402
 
@@ -81,3 +84,18 @@ def test_measured_row_keeps_the_measurement_raw():
     assert logprobs.measured_row(FB, "tether (chunk 512)", "tether", 512, m) == {
         "mode": FB, "variant": "tether (chunk 512)", "impl": "tether", "chunk_size": 512, "median_s": 0.5,
         "times_s": [0.6, 0.5, 0.4], "cpu_median_s": 0.9, "peak_rss_growth_bytes": 3 * MIB, "peak_source": "VmHWM"}
+
+
+def test_quick_records_only_where_results_is_given(tmp_path):
+    assert logprobs.parse_args(["--quick"]).results is None
+    assert logprobs.parse_args([]).results == _results.RESULTS
+    assert logprobs.parse_args(["--quick", "--results", str(tmp_path)]).results == tmp_path
+
+
+def test_chunk_sizes_must_be_positive_integers(capsys):
+    assert logprobs.parse_args(["--chunk-sizes", "512, 1024"]).chunk_sizes == [512, 1024]
+    for bad in ("512,x", "0", "512,,1024"):
+        with pytest.raises(SystemExit):
+            logprobs.parse_args(["--chunk-sizes", bad])
+        assert f"--chunk-sizes: expected comma-separated positive integers such as 512,1024, got {bad!r}" in (
+            capsys.readouterr().err)
