@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import importlib.metadata
 import json
 import os
 import platform
@@ -46,6 +47,33 @@ def commit() -> str:
 
 def stamp() -> dict[str, str]:
     return {"machine": machine(), "commit": commit(), "date": datetime.date.today().isoformat()}
+
+
+def run_id() -> str:
+    """The UTC second a benchmark's invocation started: the ``run`` every row of it shares."""
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def version(package: str) -> str | None:
+    """``package``'s installed version, None where it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def command(script: str, argv: list[str] | None) -> str:
+    """The command line that ran ``script`` (``argv``: its arguments, None for ``sys.argv``'s)."""
+    import sys
+
+    return " ".join(["python", f"benchmarks/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def newest_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the newest full run: ``quick`` (smoke) rows left out, ``run`` the UTC start."""
+    full = [r for r in records if not r.get("quick")]
+    newest = max((r["run"] for r in full), default=None)
+    return [r for r in full if r["run"] == newest]
 
 
 def _path(name: str, root: Path | None = None) -> Path:

@@ -12,7 +12,8 @@ hidden states and the head weight) in a fresh process. Targets for tether: time 
 1.1x naive and extra peak memory at most 0.1x naive. What to expect: the forward does the
 same GEMM as naive with far less memory traffic; forward+backward does four GEMMs of the
 logits' size where naive does three (the backward recomputes each chunk's logits instead of
-keeping them), so on a GEMM-bound CPU it lands near 1.1-1.2x naive time.
+keeping them), so on a GEMM-bound CPU it lands near 1.1-1.2x naive time. A full run records
+each variant x pass in ``results/logprobs.jsonl`` (``--results``; ``--quick`` only when given).
 
     python benchmarks/logprobs.py                 # full table (several minutes on 2 cores)
     python benchmarks/logprobs.py --quick         # small smoke run
@@ -24,19 +25,24 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
+import _results  # noqa: E402
+from _common import Measurement, markdown_table, measure_in_subprocess, mib  # noqa: E402
 
 FULL = {"batch": 16, "tokens": 256, "vocab": 49152, "hidden_size": 576}
 QUICK = {"batch": 2, "tokens": 64, "vocab": 4096, "hidden_size": 64}
 MODES = ("forward", "forward+backward")
 TIME_TARGET, MEMORY_TARGET = 1.1, 0.1
+ROW_KEY = ("run", "mode", "variant")  # a row of logprobs.jsonl replaces the one equal on these
+COMMAND = ".venv-bench/bin/python benchmarks/logprobs.py"
 
 
 def _naive(chunk_size):
@@ -106,92 +112,126 @@ def _trl_available() -> bool:
     return True
 
 
-def _measure(impl, mode, chunk_size, shapes, args):
-    kwargs = dict(impl=impl, mode=mode, chunk_size=chunk_size, seed=0, **shapes)
-    return measure_in_subprocess(
-        __file__, "setup_variant", kwargs, repeats=args.repeats, warmup=args.warmup
-    )
-
-
 def _verdict(ratio: float, target: float) -> str:
     return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
 
 
-def _variants(chunk_sizes):
-    """(label, implementation, chunk size) rows in table order; naive first."""
-    rows = [("naive", "naive", 0)]
-    rows += [(f"tether (chunk {c})", "tether", c) for c in chunk_sizes]
-    if _trl_available():
-        rows.append(("trl selective_log_softmax", "trl", 0))
+def _variants(chunk_sizes) -> list[tuple[str, str, int, str | None]]:
+    """(label, implementation, chunk size, why it cannot run or None) in table order; naive first."""
+    rows = [("naive", "naive", 0, None)]
+    rows += [(f"tether (chunk {c})", "tether", c, None) for c in chunk_sizes]
+    rows.append(("trl selective_log_softmax", "trl", 0, None if _trl_available() else "trl does not import"))
     return rows
 
 
-def run_table(shapes, chunk_sizes, args) -> str:
+def measured_row(mode: str, label: str, impl: str, chunk_size: int, m: Measurement) -> dict:
+    """One variant x pass's figures from its measurement."""
+    return {"mode": mode, "variant": label, "impl": impl, "chunk_size": chunk_size, "median_s": m.median_s,
+            "times_s": list(m.times_s), "cpu_median_s": m.cpu_median_s,
+            "peak_rss_growth_bytes": m.peak_rss_growth_bytes, "peak_source": m.peak_source}
+
+
+def measure_rows(shapes, chunk_sizes, args) -> list[dict]:
+    """One row a pass x variant: its figures, ``skipped`` where trl does not import, ``error``
+    where the variant's process failed."""
     rows = []
     for mode in MODES:
-        results = [
-            (label, impl, _measure(impl, mode, chunk, shapes, args))
-            for label, impl, chunk in _variants(chunk_sizes)
-        ]
-        base = results[0][2]
-        for label, impl, m in results:
-            t_ratio = m.median_s / base.median_s
-            cpu_ratio = m.cpu_median_s / base.cpu_median_s
-            m_ratio = m.peak_rss_growth_bytes / max(base.peak_rss_growth_bytes, 1)
-            targets = ["", ""]
-            if impl == "tether":
-                targets = [_verdict(t_ratio, TIME_TARGET), _verdict(m_ratio, MEMORY_TARGET)]
-            rows.append(
-                [
-                    mode,
-                    label,
-                    f"{m.median_s:.3f}",
-                    f"{t_ratio:.2f}x",
-                    f"{cpu_ratio:.2f}x",
-                    mib(m.peak_rss_growth_bytes),
-                    f"{m_ratio:.3f}x",
-                    *targets,
-                ]
-            )
-    headers = [
-        "mode",
-        "implementation",
-        "median wall time (s)",
-        "time / naive",
-        "CPU time / naive",
-        "peak RSS growth (MiB)",
-        "memory / naive",
-        "time target",
-        "memory target",
-    ]
-    return markdown_table(headers, rows)
+        for label, impl, chunk, skip in _variants(chunk_sizes):
+            row = {"mode": mode, "variant": label, "impl": impl, "chunk_size": chunk}
+            if skip:
+                rows.append({**row, "skipped": skip})
+                continue
+            kwargs = dict(impl=impl, mode=mode, chunk_size=chunk, seed=0, **shapes)
+            try:
+                m = measure_in_subprocess(__file__, "setup_variant", kwargs, repeats=args.repeats, warmup=args.warmup)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                rows.append({**row, "error": str(error)[-2000:]})
+                continue
+            rows.append(measured_row(mode, label, impl, chunk, m))
+    return rows
 
 
-def main(argv=None) -> None:
+def _ratio_cells(r: dict, base: dict | None) -> list[str]:
+    """median s, time / naive, CPU time / naive, peak MiB, memory / naive and tether's verdicts."""
+    if "median_s" not in r:
+        return ["not installed" if "skipped" in r else "failed", "", "", "", "", "", ""]
+    cells = [f"{r['median_s']:.3f}", "", "", mib(r["peak_rss_growth_bytes"]), "", "", ""]
+    if base is None or "median_s" not in base:
+        return cells
+    t = r["median_s"] / base["median_s"]
+    memory = r["peak_rss_growth_bytes"] / max(base["peak_rss_growth_bytes"], 1)
+    cells[1:3] = [f"{t:.2f}x", f"{r['cpu_median_s'] / base['cpu_median_s']:.2f}x"]
+    cells[4] = f"{memory:.3f}x"
+    if r["impl"] == "tether":
+        cells[5:] = [_verdict(t, TIME_TARGET), _verdict(memory, MEMORY_TARGET)]
+    return cells
+
+
+def ratio_table(rows: list[dict]) -> str:
+    """Each pass x variant, its ratios to the naive row of the same pass (rows of one run)."""
+    naive = {r["mode"]: r for r in rows if r["impl"] == "naive"}
+    lines = [[r["mode"], r["variant"], *_ratio_cells(r, naive.get(r["mode"]))] for r in rows]
+    headers = ["mode", "implementation", "median wall time (s)", "time / naive", "CPU time / naive",
+               "peak RSS growth (MiB)", "memory / naive", "time target", "memory target"]
+    return markdown_table(headers, lines)
+
+
+def table(records: list[dict]) -> str:
+    """The docs' table: the newest full (not ``--quick``) run's rows, and where and how it ran."""
+    rows = _results.newest_run(records)
+    if not rows:
+        return f"No full run is recorded yet: `{COMMAND}` records one in `benchmarks/results/logprobs.jsonl`."
+    r = rows[0]
+    versions = ", ".join(f"{k} {r[k]}" for k in ("torch", "trl") if r.get(k))
+    return (ratio_table(rows) + f"\n\nRun {r['run']}: {r['machine']}, commit {r['commit']}, {r['date']}; "
+            f"B={r['batch']} T={r['tokens']} V={r['vocab']} H={r['hidden_size']}, {r['dtype']}, "
+            f"{r['threads']} threads, median of {r['repeats']} after {r['warmup']} warm-up; {versions}; "
+            f"`{r['command']}`.")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     from tether.ops.logprobs import DEFAULT_CHUNK_SIZE
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes for a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 3, quick 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant")
-    parser.add_argument(
-        "--chunk-sizes",
-        default=str(DEFAULT_CHUNK_SIZE),
-        help="comma-separated tether chunk sizes, one table row each (default: the default)",
-    )
+    parser.add_argument("--chunk-sizes", default=str(DEFAULT_CHUNK_SIZE),
+                        help="comma-separated tether chunk sizes, one table row each (default: the default)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"write logprobs.jsonl here (default {_results.RESULTS}; a --quick run only when given)")
     args = parser.parse_args(argv)
-    shapes = QUICK if args.quick else FULL
     if args.repeats is None:
         args.repeats = 5 if args.quick else 3
-    chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
-    print(
-        f"label log-probs, float32, B={shapes['batch']} T={shapes['tokens']} "
-        f"V={shapes['vocab']} H={shapes['hidden_size']}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; median of {args.repeats} after "
-        f"{args.warmup} warm-up, each variant in a fresh process; memory is the peak RSS "
-        "growth over the post-warm-up steady state, gradients included\n"
-    )
-    print(run_table(shapes, chunk_sizes, args))
+    if args.results is None and not args.quick:
+        args.results = _results.RESULTS
+    text = args.chunk_sizes
+    args.chunk_sizes = [int(c) for c in text.split(",") if c.strip().isdigit() and int(c) > 0]
+    if len(args.chunk_sizes) != len(text.split(",")):
+        parser.error(f"--chunk-sizes: expected comma-separated positive integers such as 512,1024, got {text!r}")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    shapes, results, chunk_sizes = QUICK if args.quick else FULL, args.results, args.chunk_sizes
+    run = _results.run_id()
+    print(f"label log-probs, float32, B={shapes['batch']} T={shapes['tokens']} V={shapes['vocab']} "
+          f"H={shapes['hidden_size']}, torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+          f"{args.repeats} after {args.warmup} warm-up, each variant in a fresh process; memory is the peak RSS "
+          "growth over the post-warm-up steady state, gradients included\n")
+    rows = measure_rows(shapes, chunk_sizes, args)
+    print(ratio_table(rows))
+    if results is None:
+        return rows
+    workload = {"run": run, "quick": args.quick, **shapes, "dtype": "float32", "threads": torch.get_num_threads(),
+                "repeats": args.repeats, "warmup": args.warmup, "torch": torch.__version__,
+                "trl": _results.version("trl"),
+                "command": _results.command(__file__, argv), **_results.stamp()}
+    for row in rows:
+        _results.write("logprobs", {**workload, **row}, ROW_KEY, root=results)
+    print(f"\n{len(rows)} records in {Path(results) / 'logprobs.jsonl'}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ prefilled in one ``llama_decode``, a repeated prompt once and copied with
 row drawn by its own temp + dist sampler chain). Timed: prefill + decode + sampling, not
 model loading. Each engine x batch runs in a fresh process, 1 warm-up, median of 3.
 tokens/s = rows x new tokens / wall seconds. Goal (issue 29): tether >= 2x HF generate and
-within 2x of llama.cpp F16 at batch 72.
+within 2x of llama.cpp F16 at batch 72. A full run records each engine x batch in
+``results/sampling.jsonl`` (``--results``; ``--quick`` only when given); ``table`` reads them.
 
     .venv-bench/bin/python benchmarks/sampling.py            # full table (about 6 min)
     .venv/bin/python benchmarks/sampling.py --quick          # smoke run; no llama_cpp: its rows say so
@@ -31,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, measure_in_subprocess  # noqa: E402
+import _results  # noqa: E402
+from _common import Measurement, markdown_table, measure_in_subprocess  # noqa: E402
 
 ENGINES = ("tether", "hf-generate", "llama.cpp F16", "llama.cpp Q8_0")
 LLAMA_FTYPES = {"llama.cpp F16": "F16", "llama.cpp Q8_0": "Q8_0"}
@@ -40,6 +42,10 @@ LLAMA_FTYPES = {"llama.cpp F16": "F16", "llama.cpp Q8_0": "Q8_0"}
 FULL_LAYOUTS = ((1, 1), (8, 1), (16, 1), (72, 1), (12, 6))
 QUICK_LAYOUTS = ((1, 1), (2, 1), (1, 2))
 FULL_NEW_TOKENS, QUICK_NEW_TOKENS = 20, 3
+GOALS = {"hf-generate": 2.0, "llama.cpp F16": 0.5}  # tether / peer at batch 72 of distinct prompts (issue 29)
+GOAL_LAYOUT = (72, 1)
+ROW_KEY = ("run", "engine", "prompts", "group")  # a row of sampling.jsonl replaces the one equal on these
+COMMAND = ".venv-bench/bin/python benchmarks/sampling.py"
 
 
 def layout_label(prompts: int, group: int) -> str:
@@ -213,17 +219,76 @@ def chat_prompts(count: int) -> tuple[list[list[int]], int, str]:
     return prompts, int(tokenizer.pad_token_id), str(locate_gguf())
 
 
-def llama_available(python: str) -> bool:
-    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
-    return probe.returncode == 0
+def llama_version(python: str) -> str | None:
+    """llama_cpp's version under ``python``; None where it does not import there."""
+    probe = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
+                           text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
 
 
-def main(argv=None) -> None:
+def measured_row(engine: str, prompts: int, group: int, new_tokens: int, m: Measurement) -> dict:
+    """The figures of one engine x layout from its measurement: rows x new tokens / median wall s."""
+    return {"engine": engine, "prompts": prompts, "group": group, "batch": prompts * group, "median_s": m.median_s,
+            "times_s": list(m.times_s), "cpu_median_s": m.cpu_median_s,
+            "tokens_per_s": prompts * group * new_tokens / m.median_s}
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return ""
+    if "tokens_per_s" in row:
+        return f"{row['tokens_per_s']:,.1f}"
+    return "not installed" if "skipped" in row else "failed"
+
+
+def _ratio(layout: tuple[int, int], cells: dict[str, dict], peer: str) -> str:
+    a, b = cells.get("tether", {}).get("tokens_per_s"), cells.get(peer, {}).get("tokens_per_s")
+    if a is None or b is None:
+        return ""
+    goal = GOALS[peer] if layout == GOAL_LAYOUT else None
+    return f"{a / b:.2f}x" + ("" if goal is None else f", {'met' if a / b >= goal else 'missed'} (>= {goal:g}x)")
+
+
+def speed_table(rows: list[dict]) -> str:
+    """tokens/s a layout (rows in measuring order), an engine a column, tether / HF generate and
+    tether / llama.cpp F16 where both ran, with the goal's verdict at batch 72."""
+    engines = [e for e in ENGINES if any(r["engine"] == e for r in rows)]
+    layouts: dict[tuple[int, int], dict[str, dict]] = {}
+    for r in rows:
+        layouts.setdefault((r["prompts"], r["group"]), {})[r["engine"]] = r
+    peers = [p for p in GOALS if "tether" in engines and p in engines]
+    headers = ["batch", *(f"{e} (tokens/s)" for e in engines), *(f"tether / {p}" for p in peers)]
+    lines = [[layout_label(*layout), *(_cell(cells.get(e)) for e in engines),
+              *(_ratio(layout, cells, p) for p in peers)] for layout, cells in layouts.items()]
+    return markdown_table(headers, lines)
+
+
+def detail_table(rows: list[dict]) -> str:
+    """Each measured row's median, every timed run and the median CPU seconds."""
+    lines = [[layout_label(r["prompts"], r["group"]), r["engine"], f"{r['median_s']:.3f}",
+              ", ".join(f"{t:.3f}" for t in r["times_s"]), f"{r['cpu_median_s']:.3f}"] for r in rows if "median_s" in r]
+    return markdown_table(["batch", "engine", "median s", "each run (s)", "CPU s (median)"], lines)
+
+
+def table(records: list[dict]) -> str:
+    """The docs' table: the newest full run's tokens/s and ratios, and where and how it ran."""
+    rows = _results.newest_run(records)
+    if not rows:
+        return f"No full run is recorded yet: `{COMMAND}` records one in `benchmarks/results/sampling.jsonl`."
+    r = rows[0]
+    versions = ", ".join(f"{k} {r[k]}" for k in ("torch", "transformers", "llama_cpp") if r.get(k))
+    return (speed_table(rows) + f"\n\nRun {r['run']}: {r['machine']}, commit {r['commit']}, {r['date']}; "
+            f"{r['threads']} threads, {r['new_tokens']} new tokens a row at temperature {r['temperature']:g}, "
+            f"median of {r['repeats']} after {r['warmup']} warm-up; {versions}; `{r['command']}`.")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     from tether.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="batches 1, 2 and 1 prompt x 2, 3 new tokens")
-    parser.add_argument("--new-tokens", type=int, default=None, help=f"tokens sampled per row (default {FULL_NEW_TOKENS})")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help=f"tokens sampled per row (default {FULL_NEW_TOKENS})")
     parser.add_argument("--temperature", type=float, default=TrainConfig().temperature,
                         help="sampling temperature (default: the training config's)")
     parser.add_argument("--threads", type=int, default=2, help="threads of every engine")
@@ -233,51 +298,69 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-python", default=sys.executable,
                         help="the interpreter of the llama.cpp rows (one where llama_cpp imports)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a variant's process is killed")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"write sampling.jsonl here (default {_results.RESULTS}; a --quick run only when given)")
     args = parser.parse_args(argv)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(engines) - set(ENGINES))
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown:
         parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
+    if args.results is None and not args.quick:
+        args.results = _results.RESULTS
+    return args
+
+
+def measure_rows(args, layouts, new_tokens, prompts, pad_id, gguf, llama: str | None) -> list[dict]:
+    """One row an engine x layout: its figures, ``skipped`` where llama_cpp does not import, or
+    ``error`` where the engine's process failed."""
+    rows = []
+    for n_prompts, group in layouts:
+        for engine in args.engines:
+            on_llama = engine in LLAMA_FTYPES
+            row = {"engine": engine, "prompts": n_prompts, "group": group, "batch": n_prompts * group}
+            if on_llama and llama is None:
+                rows.append({**row, "skipped": f"llama_cpp does not import in {args.llama_python}"})
+                continue
+            kwargs = dict(engine=engine, prompts=prompts[:n_prompts], group=group, new_tokens=new_tokens,
+                          temperature=args.temperature, threads=args.threads, pad_id=pad_id, seed=0, gguf_source=gguf)
+            try:
+                m = measure_in_subprocess(__file__, "setup_engine", kwargs, repeats=args.repeats, warmup=args.warmup,
+                                          timeout_s=args.timeout, python=args.llama_python if on_llama else None)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                rows.append({**row, "error": str(error)[-2000:]})
+                print(f"  {layout_label(n_prompts, group)}, {engine}: failed", file=sys.stderr, flush=True)
+                continue
+            rows.append(measured_row(engine, n_prompts, group, new_tokens, m))
+            print(f"  {layout_label(n_prompts, group)}, {engine}: {m.median_s:.3f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
     layouts = QUICK_LAYOUTS if args.quick else FULL_LAYOUTS
     new_tokens = args.new_tokens or (QUICK_NEW_TOKENS if args.quick else FULL_NEW_TOKENS)
     prompts, pad_id, gguf = chat_prompts(max(p for p, _ in layouts))
-    has_llama = any(e in LLAMA_FTYPES for e in engines) and llama_available(args.llama_python)
+    llama = llama_version(args.llama_python) if any(e in LLAMA_FTYPES for e in args.engines) else None
+    run = _results.run_id()
     print(f"sampling {new_tokens} tokens a row, temperature {args.temperature}, no top-k/top-p, no eos stop; "
           f"{args.threads} threads; prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens; "
           f"median of {args.repeats} after {args.warmup} warm-up, each engine x batch in a fresh process\n")
-    speeds: dict[tuple[int, int], dict[str, float | str]] = {}
-    details = []
-    for n_prompts, group in layouts:
-        row = speeds.setdefault((n_prompts, group), {})
-        for engine in engines:
-            llama = engine in LLAMA_FTYPES
-            if llama and not has_llama:
-                row[engine] = "not installed"
-                continue
-            kwargs = dict(engine=engine, prompts=prompts[:n_prompts], group=group, new_tokens=new_tokens,
-                          temperature=args.temperature, threads=args.threads, pad_id=pad_id, seed=0,
-                          gguf_source=gguf)
-            m = measure_in_subprocess(__file__, "setup_engine", kwargs, repeats=args.repeats, warmup=args.warmup,
-                                      timeout_s=args.timeout, python=args.llama_python if llama else None)
-            row[engine] = n_prompts * group * new_tokens / m.median_s
-            details.append([layout_label(n_prompts, group), engine, f"{m.median_s:.3f}",
-                            ", ".join(f"{t:.3f}" for t in m.times_s), f"{m.cpu_median_s:.3f}"])
-            print(f"  {layout_label(n_prompts, group)}, {engine}: {m.median_s:.3f} s", file=sys.stderr, flush=True)
-
-    def ratio(row, peer):
-        a, b = row.get("tether"), row.get(peer)
-        return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else ""
-
-    headers = ["batch", *(f"{e} (tokens/s)" for e in engines)]
-    peers = [p for p in ("hf-generate", "llama.cpp F16") if "tether" in engines and p in engines]
-    headers += [f"tether / {p}" for p in peers]
-    rows = []
-    for (n_prompts, group), row in speeds.items():
-        cells = [v if isinstance(v, str) else f"{v:,.1f}" for v in (row[e] for e in engines)]
-        rows.append([layout_label(n_prompts, group), *cells, *(ratio(row, p) for p in peers)])
-    print(markdown_table(headers, rows))
+    rows = measure_rows(args, layouts, new_tokens, prompts, pad_id, gguf, llama)
+    print(speed_table(rows))
     print()
-    print(markdown_table(["batch", "engine", "median s", "each run (s)", "CPU s (median)"], details))
+    print(detail_table(rows))
+    if args.results is None:
+        return rows
+    workload = {"run": run, "quick": args.quick, "model": Path(gguf).name, "new_tokens": new_tokens,
+                "temperature": args.temperature, "threads": args.threads, "repeats": args.repeats,
+                "warmup": args.warmup, "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+                "torch": _results.version("torch"), "transformers": _results.version("transformers"),
+                "llama_cpp": llama,
+                "command": _results.command(__file__, argv), **_results.stamp()}
+    for row in rows:
+        _results.write("sampling", {**workload, **row}, ROW_KEY, root=args.results)
+    print(f"\n{len(rows)} records in {Path(args.results) / 'sampling.jsonl'}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
+import logprobs  # noqa: E402
+import sampling  # noqa: E402
 import step_memory  # noqa: E402
 import step_profile  # noqa: E402
 
@@ -311,6 +313,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
     "step-profile": ("docs/performance.md", lambda: step_profile.table(_results.read("step_profile"))),
     "step-profile-ops": ("docs/performance.md", lambda: step_profile.ops_table(_results.read("step_profile"))),
+    "sampling": ("docs/performance.md", lambda: sampling.table(_results.read("sampling"))),
+    "logprobs": ("docs/performance.md", lambda: logprobs.table(_results.read("logprobs"))),
     **gpu_tables.TABLES,
 }
 
