@@ -22,7 +22,6 @@ which ``benchmarks/tables.py`` builds docs/performance.md's tables with ``table`
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -228,7 +227,7 @@ def main(argv=None) -> dict:
     ceiling = matmul_ceiling(rows, hidden, 3 * hidden, args.ceiling_seconds)
     stages = [{"stage": name, "seconds": seconds.get(name, 0.0), "gflop": flops.get(name, 0.0)}
               for name in (*STAGES, "rest", "step")]
-    record = {"run": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}", "model": args.model,
+    record = {"run": _results.run_id(), "model": args.model,
               "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
               "ceiling_gflop_per_s": ceiling, "ceiling_shape": f"[{rows}, {hidden}] @ [{hidden}, {3 * hidden}]",
               "stages": stages, **_results.stamp()}
