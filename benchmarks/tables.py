@@ -21,6 +21,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from _stats import interval  # noqa: E402
+import e2e_tables  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
 import step_memory  # noqa: E402
@@ -309,6 +310,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
     **gpu_tables.TABLES,
+    **e2e_tables.TABLES,
 }
 
 
