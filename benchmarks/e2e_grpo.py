@@ -103,11 +103,13 @@ from _common import cap_memory, markdown_table, measure_in_subprocess, mib  # no
 
 FULL = {"prompts": 4, "group": 4, "max_new_tokens": 16}
 QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4}
-TOKENS_TARGET, MEMORY_TARGET = 1.2, 0.7
+TOKENS_TARGET = 1.2  # tether tokens/s >= this x TRL's
+MEMORY_TARGET = 0.7  # tether peak RSS (timed steps) <= this x TRL's
 MODES = {"LoRA": True, "full": False}
 TOOLS = {"tether": "tether", "TRL": "trl"}  # as printed -> as recorded (gpu_grpo.jsonl's spelling, SPEC section 13)
 DISPLAY = {"tether": "tether", "trl": "TRL", "lora": "LoRA", "full": "full"}  # as recorded -> as printed
-NAME, ROW_KEY = "e2e_grpo", ("run", "tool", "mode")  # benchmarks/results/e2e_grpo.jsonl; a row replaces its namesake
+NAME = "e2e_grpo"  # benchmarks/results/e2e_grpo.jsonl
+ROW_KEY = ("run", "tool", "mode")  # a row replaces the one equal on these
 PHASES = ("sampling", "scoring", "loss", "optimizer")
 PHASE_TITLES = {
     "sampling": "sampling",
@@ -559,7 +561,8 @@ def record(run: str, tool: str, mode: str, setup: dict, result: dict) -> dict:
     return {**row, "median_step_s": s["wall"], "step_times_s": list(s["times"]), "cpu_s": s["cpu"],
             "tokens_per_step": s["tokens"], "tokens_per_s": s["tokens_per_s"], "mean_completion_tokens": s["completion"],
             "peak_rss_bytes": s["peak"], "lifetime_rss_bytes": s["lifetime"], "phases_s": s["phases"],
-            "threads_seen": s["threads"], **_results.stamp()}
+            # VmHWM: the timed steps' peak; ru_maxrss where the kernel's counter could not be reset (process life)
+            "peak_rss_source": result["m"].peak_source, "threads_seen": s["threads"], **_results.stamp()}
 
 
 def ratios(ours: dict | None, theirs: dict | None) -> tuple[float, float] | None:
@@ -636,6 +639,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def results_dir(args: argparse.Namespace):
+    """Where the rows go: ``--results``, else ``benchmarks/results`` for a full run; a quick run without
+    ``--results`` records nothing (a smoke run never touches the committed records)."""
+    return args.results if args.results is not None else None if args.quick else _results.RESULTS
+
+
 def main(argv=None) -> list[dict]:
     import datetime
 
@@ -653,7 +662,7 @@ def main(argv=None) -> list[dict]:
         "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
     }
     cfg = train_config({**work, "lora": True})
-    results = args.results if args.results is not None else None if args.quick else _results.RESULTS
+    results = results_dir(args)
     print(
         f"GRPO optimizer step end to end, SmolLM2-135M-Instruct float32 on CPU, task {cfg.task}: "
         f"{work['prompts']} prompts x {work['group']} answers, max {work['max_new_tokens']} new tokens "

@@ -95,10 +95,11 @@ def phases(records: list[dict[str, Any]]) -> str:
     """``e2e_grpo.phase_table`` of the rows ``comparison`` reads."""
     from e2e_grpo import phase_table
 
-    rows = [r for r in chosen(records) if "error" not in r]
-    if not rows:
+    rows = chosen(records)
+    ran = [r for r in rows if "error" not in r]
+    if not ran:
         return "No end-to-end run is recorded yet: the phases come with the rows of the table above."
-    return phase_table(rows) + "\n\nMedian seconds a step (share of the step). " + provenance(rows)
+    return phase_table(ran) + "\n\nMedian seconds a step (share of the step). " + provenance(rows)
 
 
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
