@@ -572,9 +572,12 @@ def ratios(ours: dict | None, theirs: dict | None) -> tuple[float, float] | None
     return ours["tokens_per_s"] / theirs["tokens_per_s"], ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
 
 
+def met(ratio: float, target: float, higher_is_better: bool) -> bool:
+    return ratio >= target if higher_is_better else ratio <= target
+
+
 def verdict(ratio: float, target: float, higher_is_better: bool) -> str:
-    met = ratio >= target if higher_is_better else ratio <= target
-    return f"{'met' if met else 'missed'} ({'>=' if higher_is_better else '<='} {target}x)"
+    return f"{'met' if met(ratio, target, higher_is_better) else 'missed'} ({'>=' if higher_is_better else '<='} {target}x)"
 
 
 def main_table(rows: list[dict]) -> str:

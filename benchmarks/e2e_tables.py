@@ -59,7 +59,7 @@ def provenance(rows: list[dict[str, Any]]) -> str:
         sentences.append(
             f"Run {run}: {r['machine']}, {r['date']}, commit {r['commit']}; {r['prompts']} prompts × {r['group']} "
             f"answers × {r['max_new_tokens']} new tokens ({lengths}), {r['threads']} thread(s), median of "
-            f"{r['steps']} steps after {r['warmup']} warm-up; torch {r['torch']}{trl}. `{command(its)}`, then "
+            f"{r['steps']} timed step(s) after {r['warmup']} warm-up; torch {r['torch']}{trl}. `{command(its)}`, then "
             "`python benchmarks/tables.py`.")
     return " ".join(sentences)
 
@@ -70,7 +70,7 @@ def _cell(r: dict[str, Any] | None, key: str, fmt: str, scale: float = 1.0) -> s
 
 def comparison(records: list[dict[str, Any]]) -> str:
     """tether against TRL per mode: tokens/s, peak RSS in the timed steps, median step, and the ratios."""
-    from e2e_grpo import MEMORY_TARGET, TOKENS_TARGET, label, ratios
+    from e2e_grpo import MEMORY_TARGET, TOKENS_TARGET, label, met, ratios
 
     rows = chosen(records)
     if not rows:
@@ -82,8 +82,8 @@ def comparison(records: list[dict[str, Any]]) -> str:
     for mode in dict.fromkeys(label(r) for r in rows):
         ours, theirs = by.get((mode, "tether")), by.get((mode, "trl"))
         both = ratios(ours, theirs)
-        speed = "" if both is None else f"{both[0]:.2f}×, {'met' if both[0] >= TOKENS_TARGET else 'missed'}"
-        memory = "" if both is None else f"{both[1]:.2f}×, {'met' if both[1] <= MEMORY_TARGET else 'missed'}"
+        speed = "" if both is None else f"{both[0]:.2f}×, {'met' if met(both[0], TOKENS_TARGET, True) else 'missed'}"
+        memory = "" if both is None else f"{both[1]:.2f}×, {'met' if met(both[1], MEMORY_TARGET, False) else 'missed'}"
         lines.append(f"| {mode} | {_cell(ours, 'tokens_per_s', '{:,.1f}')} / {_cell(theirs, 'tokens_per_s', '{:,.1f}')} "
                      f"| {speed} | {_cell(ours, 'peak_rss_bytes', '{:,.0f}', 2**20)} / "
                      f"{_cell(theirs, 'peak_rss_bytes', '{:,.0f}', 2**20)} | {memory} | "

@@ -100,7 +100,7 @@ def test_the_comparison_reads_the_newest_full_run_and_takes_ratios_within_it():
         "| full | 150.0 / 100.0 | 1.50×, met | 3,072 / 4,096 | 0.75×, missed | 5.87 / 8.80 |"]
     assert table.splitlines()[-1] == (
         "Run r2: Intel Xeon, 2 cores, 2026-11-28, commit abc1234; 4 prompts × 4 answers × 16 new tokens (answers "
-        "forced to the limit), 2 thread(s), median of 3 steps after 1 warm-up; torch 2.13.0+cpu, TRL 1.16.0. "
+        "forced to the limit), 2 thread(s), median of 3 timed step(s) after 1 warm-up; torch 2.13.0+cpu, TRL 1.16.0. "
         "`.venv-bench/bin/python benchmarks/e2e_grpo.py --prompts 4 --group 4 --max-new-tokens 16 --threads 2 "
         "--steps 3 --warmup 1`, then `python benchmarks/tables.py`.")
 
