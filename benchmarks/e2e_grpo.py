@@ -65,6 +65,11 @@ CPU that other jobs share, two OpenMP threads wait on each other at every barrie
 step can take 10-20x longer from one run to the next; ``--threads 1`` is the stable
 choice there (as in ``scoring.py``).
 
+Records: a full run writes one row a tool and mode to ``benchmarks/results/e2e_grpo.jsonl``
+(``--results DIR`` elsewhere; a ``--quick`` run only where ``--results`` is given): ``record``'s
+keys, ``run`` shared by the invocation's rows. ``e2e_tables.py`` builds docs/performance.md's
+tables from the newest full run (``python benchmarks/tables.py``).
+
     .venv-bench/bin/python benchmarks/e2e_grpo.py              # both tools, both modes (~10 min)
     .venv-bench/bin/python benchmarks/e2e_grpo.py --quick      # 2 x 2 x 4 tokens, 1 timed step
     .venv-bench/bin/python benchmarks/e2e_grpo.py --no-trl     # tether rows only
@@ -93,12 +98,18 @@ for _flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _results  # noqa: E402
 from _common import cap_memory, markdown_table, measure_in_subprocess, mib  # noqa: E402
 
 FULL = {"prompts": 4, "group": 4, "max_new_tokens": 16}
 QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4}
-TOKENS_TARGET, MEMORY_TARGET = 1.2, 0.7
+TOKENS_TARGET = 1.2  # tether tokens/s >= this x TRL's
+MEMORY_TARGET = 0.7  # tether peak RSS (timed steps) <= this x TRL's
 MODES = {"LoRA": True, "full": False}
+TOOLS = {"tether": "tether", "TRL": "trl"}  # as printed -> as recorded (gpu_grpo.jsonl's spelling, SPEC section 13)
+DISPLAY = {"tether": "tether", "trl": "TRL", "lora": "LoRA", "full": "full"}  # as recorded -> as printed
+NAME = "e2e_grpo"  # benchmarks/results/e2e_grpo.jsonl
+ROW_KEY = ("run", "tool", "mode")  # a row replaces the one equal on these
 PHASES = ("sampling", "scoring", "loss", "optimizer")
 PHASE_TITLES = {
     "sampling": "sampling",
@@ -514,49 +525,92 @@ def summarise(result: dict) -> dict:
     }
 
 
-def _verdict(ratio: float, target: float, higher_is_better: bool) -> str:
-    met = ratio >= target if higher_is_better else ratio <= target
-    return f"{'met' if met else 'missed'} ({'>=' if higher_is_better else '<='} {target}x)"
+def label(row: dict) -> str:
+    """A row's mode as the tables print it, with what its run changed from the default workload."""
+    extra = [name for key, name in (("natural_lengths", "natural lengths"),
+                                    ("trl_gradient_checkpointing", "TRL checkpointing")) if row.get(key)]
+    return DISPLAY[row["mode"]] + (f" ({', '.join(extra)})" if extra else "")
 
 
-def main_table(results: dict) -> str:
-    rows = []
-    for mode in MODES:
-        ours, theirs = results.get(("tether", mode)), results.get(("TRL", mode))
-        for tool, result in (("tether", ours), ("TRL", theirs)):
-            if result is None:
-                continue
-            if "error" in result:
-                rows.append([mode, tool, f"failed: {result['error']}"] + [""] * 9)
-                continue
-            s = summarise(result)
-            row = [mode, tool, f"{s['wall']:.2f}", " ".join(f"{t:.2f}" for t in s["times"]), f"{s['cpu']:.2f}",
-                   f"{s['tokens']:.0f}", f"{s['completion']:.1f}", f"{s['tokens_per_s']:.1f}", mib(s["peak"]),
-                   mib(s["lifetime"])]
-            if tool == "tether" and theirs is not None and "error" not in theirs:
-                base = summarise(theirs)
-                t_ratio = s["tokens_per_s"] / base["tokens_per_s"]
-                m_ratio = s["peak"] / base["peak"]
-                row += [f"{t_ratio:.2f}x {_verdict(t_ratio, TOKENS_TARGET, True)}",
-                        f"{m_ratio:.2f}x {_verdict(m_ratio, MEMORY_TARGET, False)}"]
-            else:
-                row += ["", ""]
-            rows.append(row)
+def settings(args: argparse.Namespace, work: dict, micro_batch_size: int) -> dict:
+    """The workload and library versions every row of one invocation records."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"model": "default", "device": "CPU", "dtype": "float32", "prompts": work["prompts"], "group": work["group"],
+            "max_new_tokens": work["max_new_tokens"], "micro_batch_size": micro_batch_size, "threads": work["threads"],
+            "natural_lengths": work["natural_lengths"], "trl_gradient_checkpointing": work["trl_gradient_checkpointing"],
+            "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "torch": torch.__version__,
+            "trl": installed("trl"), "transformers": installed("transformers"), "peft": installed("peft")}
+
+
+def record(run: str, tool: str, mode: str, setup: dict, result: dict) -> dict:
+    """One row of ``e2e_grpo.jsonl``: ``summarise``'s figures of one (tool, mode), raw, with the
+    run's ``setup`` (``settings``) and the machine's stamp; a failed variant keeps its ``error``."""
+    row = {"run": run, "tool": TOOLS[tool], "mode": mode.lower(), **setup}
+    if "error" in result:
+        return {**row, "error": result["error"], **_results.stamp()}
+    s = summarise(result)
+    return {**row, "median_step_s": s["wall"], "step_times_s": list(s["times"]), "cpu_s": s["cpu"],
+            "tokens_per_step": s["tokens"], "tokens_per_s": s["tokens_per_s"], "mean_completion_tokens": s["completion"],
+            "peak_rss_bytes": s["peak"], "lifetime_rss_bytes": s["lifetime"], "phases_s": s["phases"],
+            # VmHWM: the timed steps' peak; ru_maxrss where the kernel's counter could not be reset (process life)
+            "peak_rss_source": result["m"].peak_source, "threads_seen": s["threads"], **_results.stamp()}
+
+
+def ratios(ours: dict | None, theirs: dict | None) -> tuple[float, float] | None:
+    """tether / TRL tokens/s and peak RSS (timed steps) of two rows of one run; None unless both ran."""
+    if not ours or not theirs or "error" in ours or "error" in theirs:
+        return None
+    return ours["tokens_per_s"] / theirs["tokens_per_s"], ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
+
+
+def met(ratio: float, target: float, higher_is_better: bool) -> bool:
+    return ratio >= target if higher_is_better else ratio <= target
+
+
+def verdict(ratio: float, target: float, higher_is_better: bool) -> str:
+    return f"{'met' if met(ratio, target, higher_is_better) else 'missed'} ({'>=' if higher_is_better else '<='} {target}x)"
+
+
+def main_table(rows: list[dict]) -> str:
+    """One line a row (``record``'s), the tether line with its ratios to TRL's row of the same mode."""
+    by = {(r["tool"], r["mode"]): r for r in rows}
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([label(r), DISPLAY[r["tool"]], f"failed: {r['error']}"] + [""] * 9)
+            continue
+        line = [label(r), DISPLAY[r["tool"]], f"{r['median_step_s']:.2f}", " ".join(f"{t:.2f}" for t in r["step_times_s"]),
+                f"{r['cpu_s']:.2f}", f"{r['tokens_per_step']:.0f}", f"{r['mean_completion_tokens']:.1f}",
+                f"{r['tokens_per_s']:.1f}", mib(r["peak_rss_bytes"]), mib(r["lifetime_rss_bytes"])]
+        both = ratios(r, by.get(("trl", r["mode"]))) if r["tool"] == "tether" else None
+        line += ([f"{both[0]:.2f}x {verdict(both[0], TOKENS_TARGET, True)}",
+                  f"{both[1]:.2f}x {verdict(both[1], MEMORY_TARGET, False)}"] if both else ["", ""])
+        lines.append(line)
     headers = ["mode", "tool", "median step (s)", "step times (s)", "median CPU (s)", "tokens/step",
                "mean completion (tokens)", "tokens/s", "peak RSS, timed steps (MiB)", "peak RSS, process life (MiB)",
                "tokens/s tether/TRL", "peak RSS tether/TRL"]
-    return markdown_table(headers, rows)
+    return markdown_table(headers, lines)
 
 
-def phase_table(results: dict) -> str:
-    rows = []
-    for (tool, mode), result in results.items():
-        if "error" in result:
+def phase_table(rows: list[dict]) -> str:
+    """Median seconds a step per phase and its share of the step, one line a row that ran."""
+    lines = []
+    for r in rows:
+        if "error" in r:
             continue
-        s = summarise(result)
-        total = sum(s["phases"].values())
-        rows.append([mode, tool] + [f"{s['phases'][p]:.2f} ({100 * s['phases'][p] / total:.0f}%)" for p in PHASES])
-    return markdown_table(["mode", "tool"] + [f"{PHASE_TITLES[p]} (s)" for p in PHASES], rows)
+        total = sum(r["phases_s"].values())
+        lines.append([label(r), DISPLAY[r["tool"]]]
+                     + [f"{r['phases_s'][p]:.2f} ({100 * r['phases_s'][p] / total:.0f}%)" for p in PHASES])
+    return markdown_table(["mode", "tool"] + [f"{PHASE_TITLES[p]} (s)" for p in PHASES], lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -576,6 +630,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="TRL with gradient checkpointing (its GRPOConfig default; tether has none)")
     parser.add_argument("--modes", default="LoRA,full", help="comma-separated subset of LoRA,full")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a variant's process is killed")
+    parser.add_argument("--results", default=None, metavar="DIR",
+                        help=f"write one row a tool and mode to DIR/{NAME}.jsonl (default: benchmarks/results; "
+                             "a --quick run records only where DIR is given)")
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (1 if args.quick else 3)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -585,7 +642,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
+def results_dir(args: argparse.Namespace):
+    """Where the rows go: ``--results``, else ``benchmarks/results`` for a full run; a quick run without
+    ``--results`` records nothing (a smoke run never touches the committed records)."""
+    return args.results if args.results is not None else None if args.quick else _results.RESULTS
+
+
+def main(argv=None) -> list[dict]:
+    import datetime
+
     import torch
 
     args = parse_args(argv)
@@ -600,6 +665,7 @@ def main(argv=None) -> None:
         "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
     }
     cfg = train_config({**work, "lora": True})
+    results = results_dir(args)
     print(
         f"GRPO optimizer step end to end, SmolLM2-135M-Instruct float32 on CPU, task {cfg.task}: "
         f"{work['prompts']} prompts x {work['group']} answers, max {work['max_new_tokens']} new tokens "
@@ -608,25 +674,32 @@ def main(argv=None) -> None:
         f"torch {torch.__version__}, {args.threads} thread(s); median of {args.steps} steps after {args.warmup} warm-up\n"
     )
     started = time.perf_counter()
+    run = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"  # shared by this invocation's rows
+    setup = settings(args, work, cfg.micro_batch_size)
     why_not = None if args.no_trl else trl_problem()
-    results = {}
+    rows, failures = [], []
     for mode in args.modes:
-        results[("tether", mode)] = measure("tether", {**work, "lora": MODES[mode]}, args)
-        if args.no_trl:
-            continue
-        trl = {"error": why_not, "detail": ""} if why_not else measure("TRL", {**work, "lora": MODES[mode]}, args)
-        results[("TRL", mode)] = trl
-    print(main_table(results))
+        for tool in ["tether"] + ([] if args.no_trl else ["TRL"]):
+            result = ({"error": why_not, "detail": ""} if tool == "TRL" and why_not else
+                      measure(tool, {**work, "lora": MODES[mode]}, args))
+            rows.append(record(run, tool, mode, setup, result))
+            if results is not None:  # after each variant: a later failure keeps the rows before it
+                _results.write(NAME, rows[-1], key=ROW_KEY, root=results)
+            if result.get("detail"):
+                failures.append(f"\n{tool} ({mode}) failed:\n{result['detail'][-3000:]}")
+    print(main_table(rows))
     print(f"\n{TOKENS_DEFINITION}. Peak RSS: the process's resident-set high-water mark over the timed "
           "steps (reset after the warm-up) and over its whole life (model loading included). Targets: "
           f"tether tokens/s >= {TOKENS_TARGET}x TRL, peak RSS (timed steps) <= {MEMORY_TARGET}x TRL.")
     print("\nPhases (median seconds per step, share of the step):\n")
-    print(phase_table(results))
-    threads = sorted({t for r in results.values() if "error" not in r for t in summarise(r)["threads"]})
+    print(phase_table(rows))
+    threads = sorted({t for r in rows if "error" not in r for t in r["threads_seen"]})
     print(f"\ntorch threads seen inside the steps: {threads}; whole run {time.perf_counter() - started:.0f} s")
-    for (tool, mode), result in results.items():
-        if result.get("detail"):
-            print(f"\n{tool} ({mode}) failed:\n{result['detail'][-3000:]}")
+    if results is not None:
+        print(f"rows of run {run} written to {os.path.join(results, NAME + '.jsonl')}")
+    if failures:
+        print("".join(failures))
+    return rows
 
 
 if __name__ == "__main__":

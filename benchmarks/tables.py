@@ -21,6 +21,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from _stats import interval  # noqa: E402
+import e2e_tables  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
 import logprobs  # noqa: E402
@@ -316,6 +317,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "sampling": ("docs/performance.md", lambda: sampling.table(_results.read("sampling"))),
     "logprobs": ("docs/performance.md", lambda: logprobs.table(_results.read("logprobs"))),
     **gpu_tables.TABLES,
+    **e2e_tables.TABLES,
 }
 
 
