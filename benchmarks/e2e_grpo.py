@@ -534,16 +534,9 @@ def label(row: dict) -> str:
 
 def settings(args: argparse.Namespace, work: dict, micro_batch_size: int) -> dict:
     """The workload and library versions every row of one invocation records."""
-    from importlib.metadata import PackageNotFoundError, version
-
     import torch
 
-    def installed(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
+    installed = _results.version
     return {"model": "default", "device": "CPU", "dtype": "float32", "prompts": work["prompts"], "group": work["group"],
             "max_new_tokens": work["max_new_tokens"], "micro_batch_size": micro_batch_size, "threads": work["threads"],
             "natural_lengths": work["natural_lengths"], "trl_gradient_checkpointing": work["trl_gradient_checkpointing"],
@@ -649,8 +642,6 @@ def results_dir(args: argparse.Namespace):
 
 
 def main(argv=None) -> list[dict]:
-    import datetime
-
     import torch
 
     args = parse_args(argv)
@@ -674,7 +665,7 @@ def main(argv=None) -> list[dict]:
         f"torch {torch.__version__}, {args.threads} thread(s); median of {args.steps} steps after {args.warmup} warm-up\n"
     )
     started = time.perf_counter()
-    run = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"  # shared by this invocation's rows
+    run = _results.run_id()
     setup = settings(args, work, cfg.micro_batch_size)
     why_not = None if args.no_trl else trl_problem()
     rows, failures = [], []
