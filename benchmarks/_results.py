@@ -72,3 +72,21 @@ def write(name: str, record: dict[str, Any], key: Iterable[str], root: Path | No
         tmp = path.parent / f".{path.name}.tmp"
         tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [*kept, record]))
         tmp.replace(path)
+
+
+def run_id() -> str:
+    """One UTC timestamp naming every row of a benchmark invocation (ratios pair rows of one run)."""
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    """``{package: installed version}`` (None where it is not installed), read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found

@@ -23,6 +23,8 @@ import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
+import grpo  # noqa: E402
+import scoring_tables  # noqa: E402
 import step_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,6 +310,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
+    "scoring": ("docs/performance.md", lambda: scoring_tables.table(_results.read("scoring"))),
+    "grpo-loss": ("docs/performance.md", lambda: grpo.table(_results.read("grpo_loss"))),
     **gpu_tables.TABLES,
 }
 
