@@ -90,3 +90,12 @@ def versions(*packages: str) -> dict[str, str | None]:
         except PackageNotFoundError:
             found[name] = None
     return found
+
+
+def destination(results: Path | None, quick: bool) -> Path | None:
+    """Where a benchmark run writes its records: the folder given (``--results``), else
+    ``RESULTS`` for a full run and nowhere for a ``--quick`` one (a smoke run leaves the docs'
+    records alone)."""
+    if results is not None:
+        return Path(results)
+    return None if quick else RESULTS

@@ -332,7 +332,7 @@ def main(argv=None) -> list[dict]:
     )
     records = measure_all(size, args, _results.run_id(), " ".join(["python", "benchmarks/grpo.py", *argv]))
     print(markdown_table(HEADERS, rows(records)))
-    root = args.results if args.results is not None or args.quick else _results.RESULTS
+    root = _results.destination(args.results, args.quick)
     if root is not None:
         for r in records:
             _results.write("grpo_loss", r, key=("run", "variant"), root=root)

@@ -367,7 +367,7 @@ def main(argv=None) -> list[dict]:
     rows = records(measure_rounds(n_chats, args, torchrl, variants), variants,
                    common_fields(n_chats, args, _results.run_id(), " ".join(["python", "benchmarks/scoring.py", *argv])))
     print(scoring_tables.body(rows))
-    root = args.results if args.results is not None or args.quick else _results.RESULTS
+    root = _results.destination(args.results, args.quick)
     if root is not None:
         for row in rows:
             _results.write("scoring", row, key=("run", "tool", "entry"), root=root)

@@ -49,7 +49,7 @@ def table(records: list[dict[str, Any]], compiled: bool = False) -> str:
     """The newest full run's table (``compiled``: the runs with ``--compile``), with its provenance."""
     full = [r for r in records if not r["quick"] and r["compile"] == compiled and r["token_budget"] is None]
     if not full:
-        return (f"No full{' --compile' if compiled else ''} run of `benchmarks/scoring.py` is recorded yet: "
+        return (f"No full{' `--compile`' if compiled else ''} run of `benchmarks/scoring.py` is recorded yet: "
                 f"`{COMMAND}{' --compile --warmup 2' if compiled else ''}` records one in "
                 "`benchmarks/results/scoring.jsonl`.")
     newest = max(r["run"] for r in full)

@@ -311,6 +311,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     **frontier_tables.TABLES,
     "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
     "scoring": ("docs/performance.md", lambda: scoring_tables.table(_results.read("scoring"))),
+    "scoring-compiled": ("docs/performance.md", lambda: scoring_tables.table(_results.read("scoring"), compiled=True)),
     "grpo-loss": ("docs/performance.md", lambda: grpo.table(_results.read("grpo_loss"))),
     **gpu_tables.TABLES,
 }
