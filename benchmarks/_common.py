@@ -92,6 +92,13 @@ def measure_in_subprocess(
     )
 
 
+def child_error(exc: BaseException) -> str:
+    """What a failed measurement records: the last line the child printed (its exception, from
+    ``measure_in_subprocess``'s ``RuntimeError``), or the error's own first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
 def cap_memory(cap_mib: float | None, device: str) -> None:
     """Hold this process to ``cap_mib`` MiB of new memory from here on (None: no cap), so that a
     larger model fails as it would on a smaller card: on CUDA through the caching allocator's

@@ -100,3 +100,17 @@ def write(name: str, record: dict[str, Any], key: Iterable[str], root: Path | No
         tmp = path.parent / f".{path.name}.tmp"
         tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [*kept, record]))
         tmp.replace(path)
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    """``{package: installed version}`` (None where it is not installed), read without importing it."""
+    return {name: version(name) for name in packages}
+
+
+def destination(results: Path | None, quick: bool) -> Path | None:
+    """Where a benchmark run writes its records: the folder given (``--results``), else
+    ``RESULTS`` for a full run and nowhere for a ``--quick`` one (a smoke run leaves the docs'
+    records alone)."""
+    if results is not None:
+        return Path(results)
+    return None if quick else RESULTS

@@ -5,15 +5,13 @@ with the tether / TRL ratios against the targets. ``phases``: the median seconds
 Only full runs count (``--quick`` rows are smoke runs); per mode, and per variant of the workload
 (natural lengths, TRL with gradient checkpointing), the newest run's rows are taken, and a ratio
 is only taken between the tools' rows of that one run. A last line names each run read: machine,
-date, commit, threads, workload and the command that records it. ``benchmarks/tables.py`` writes
-them into the page; with no rows a table says which command records them.
+date, commit, threads, workload and the command that records it. ``benchmarks/performance_tables.py`` places
+them in the page; with no rows a table says which command records them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import _results
+from typing import Any
 
 SCRIPT = ".venv-bench/bin/python benchmarks/e2e_grpo.py"
 EMPTY = (f"No end-to-end run is recorded yet in `benchmarks/results/e2e_grpo.jsonl`: `{SCRIPT}` records one "
@@ -101,8 +99,3 @@ def phases(records: list[dict[str, Any]]) -> str:
         return "No end-to-end run is recorded yet: the phases come with the rows of the table above."
     return phase_table(ran) + "\n\nMedian seconds a step (share of the step). " + provenance(rows)
 
-
-TABLES: dict[str, tuple[str, Callable[[], str]]] = {
-    "e2e-grpo": ("docs/performance.md", lambda: comparison(_results.read("e2e_grpo"))),
-    "e2e-grpo-phases": ("docs/performance.md", lambda: phases(_results.read("e2e_grpo"))),
-}

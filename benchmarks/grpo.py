@@ -21,9 +21,11 @@ Variants:
 - ``torchrl``: ``torchrl.objectives.llm.GRPOLoss`` with ``kl_to_ref_coeff`` set and its
   entropy bonus on (only when torchrl imports; run with ``.venv-bench/bin/python``).
 
-Targets for tether: at most 0.5x TorchRL's time and 0.35x its step footprint.
+Targets for tether: at most 0.5x TorchRL's time and 0.35x its step footprint. A full run
+records one row a variant in ``benchmarks/results/grpo_loss.jsonl`` (``--results DIR`` elsewhere;
+a ``--quick`` run records only there); ``table`` builds docs/performance.md's ``grpo-loss`` from them.
 
-    .venv-bench/bin/python benchmarks/grpo.py            # full table (several minutes)
+    .venv-bench/bin/python benchmarks/grpo.py            # full table (several minutes), recorded
     .venv-bench/bin/python benchmarks/grpo.py --quick    # short answers, one timed run
 """
 
@@ -34,14 +36,17 @@ import gc
 import importlib.util
 import os
 import random
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
+import _results  # noqa: E402
+from _common import child_error, markdown_table, measure_in_subprocess, mib  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Show your reasoning, then give the number."
 WORDS = (
@@ -221,28 +226,80 @@ def _measure(name: str, size: dict, args) -> tuple:
     return m, before_timed + m.peak_rss_growth_bytes - after_setup
 
 
-def run_table(size: dict, args) -> str:
-    names = ["tether", "tether x4"] + (["torchrl"] if _torchrl_available() else [])
-    results = {name: _measure(name, size, args) for name in names}
-    base = results.get("torchrl")
-    rows = []
-    for name, (m, footprint) in results.items():
-        row = [name, f"{m.median_s:.1f}", " ".join(f"{t:.1f}" for t in m.times_s), f"{m.cpu_median_s:.1f}",
-               mib(footprint), mib(m.peak_rss_growth_bytes)]
-        if base is not None:
-            t_ratio = m.median_s / base[0].median_s
-            c_ratio = m.cpu_median_s / base[0].cpu_median_s
-            f_ratio = footprint / max(base[1], 1)
-            targets = ["", ""]
-            if name != "torchrl":
-                targets = [_verdict(t_ratio, TIME_TARGET), _verdict(f_ratio, MEMORY_TARGET)]
-            row += [f"{t_ratio:.2f}x", f"{c_ratio:.2f}x", f"{f_ratio:.2f}x", *targets]
-        rows.append(row)
-    headers = ["variant", "median wall (s)", "wall times (s)", "median CPU (s)", "step footprint (MiB)",
-               "peak growth after warm-up (MiB)"]
-    if base is not None:
-        headers += ["wall / torchrl", "CPU / torchrl", "footprint / torchrl", "time target", "memory target"]
-    return markdown_table(headers, rows)
+def record(run: str, name: str, result, size: dict, args, command: str) -> dict:
+    """One row of ``grpo_loss.jsonl``: ``result`` is ``_measure``'s (Measurement, footprint) or,
+    for a variant that failed, its error message."""
+    figures = {"median_s": None, "times_s": None, "cpu_median_s": None, "footprint_bytes": None,
+               "peak_growth_bytes": None, "peak_source": None}
+    if isinstance(result, str):
+        figures["error"] = result
+    else:
+        m, footprint = result
+        figures.update(median_s=m.median_s, times_s=list(m.times_s), cpu_median_s=m.cpu_median_s,
+                       footprint_bytes=footprint, peak_growth_bytes=m.peak_rss_growth_bytes, peak_source=m.peak_source)
+    return {"run": run, "variant": name, "micro_batches": VARIANTS[name][1].get("micro_batches", 1), "quick": args.quick,
+            "model": "SmolLM2-135M-Instruct", "dtype": "float32", "chats": 16, "group": 4, **size,
+            "kl_coeff": KL_COEFF, "entropy_coeff": ENTROPY_COEFF, "threads": torch.get_num_threads(),
+            "repeats": args.repeats, "warmup": args.warmup, "time_target": TIME_TARGET, "memory_target": MEMORY_TARGET,
+            "command": command, **figures, **_results.versions("torch", "torchrl"), **_results.stamp()}
+
+
+def measure_all(size: dict, args, run: str, command: str) -> list[dict]:
+    """Every variant measured in its own process, a record each (torchrl's with an error where it
+    does not import here)."""
+    records = []
+    for name in VARIANTS:
+        if name == "torchrl" and not _torchrl_available():
+            result = "torchrl does not import in this interpreter: run with .venv-bench/bin/python"
+        else:
+            try:
+                result = _measure(name, size, args)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+                result = child_error(exc)
+        records.append(record(run, name, result, size, args, command))
+    return records
+
+
+HEADERS = ["variant", "median wall (s)", "wall times (s)", "median CPU (s)", "step footprint (MiB)",
+           "peak growth after warm-up (MiB)", "wall / torchrl", "CPU / torchrl", "footprint / torchrl",
+           "time target", "memory target"]
+
+
+def rows(records: list[dict]) -> list[list[str]]:
+    """The table's cells from the records of one run; ratios against that run's torchrl row."""
+    base = next((r for r in records if r["variant"] == "torchrl" and not r.get("error")), None)
+    out = []
+    for r in records:
+        if r.get("error"):
+            out.append([r["variant"], f"failed: {r['error']}", *[""] * (len(HEADERS) - 2)])
+            continue
+        row = [r["variant"], f"{r['median_s']:.1f}", " ".join(f"{t:.1f}" for t in r["times_s"]),
+               f"{r['cpu_median_s']:.1f}", mib(r["footprint_bytes"]), mib(r["peak_growth_bytes"])]
+        if base is None:
+            out.append(row + [""] * 5)
+            continue
+        t_ratio, f_ratio = r["median_s"] / base["median_s"], r["footprint_bytes"] / max(base["footprint_bytes"], 1)
+        targets = ["", ""]
+        if r["variant"] != "torchrl":
+            targets = [_verdict(t_ratio, r["time_target"]), _verdict(f_ratio, r["memory_target"])]
+        out.append(row + [f"{t_ratio:.2f}x", f"{r['cpu_median_s'] / base['cpu_median_s']:.2f}x", f"{f_ratio:.2f}x",
+                          *targets])
+    return out
+
+
+def table(records: list[dict]) -> str:
+    """docs/performance.md's ``grpo-loss`` table: the newest full (not ``--quick``) run's rows."""
+    full = [r for r in records if not r["quick"]]
+    if not full:
+        return ("No full run of `benchmarks/grpo.py` is recorded yet: `.venv-bench/bin/python benchmarks/grpo.py` "
+                "records one in `benchmarks/results/grpo_loss.jsonl`.")
+    newest = max(r["run"] for r in full)
+    run = sorted((r for r in full if r["run"] == newest), key=lambda r: list(VARIANTS).index(r["variant"]))
+    first = run[0]
+    return (markdown_table(HEADERS, rows(run)) + f"\n\n{describe(first)}, group size {first['group']}, KL coeff "
+            f"{first['kl_coeff']}, entropy coeff {first['entropy_coeff']}, median of {first['repeats']} after "
+            f"{first['warmup']} warm-up; run {newest} on {first['machine']}, {first['date']}, commit {first['commit']}, "
+            f"{first['threads']} thread(s), torch {first['torch']}, torchrl {first['torchrl']}: `{first['command']}`.")
 
 
 def _verdict(ratio: float, target: float) -> str:
@@ -250,16 +307,20 @@ def _verdict(ratio: float, target: float) -> str:
 
 
 def describe(size: dict) -> str:
-    chats, _, _ = make_chats(**size)
+    """The batch in words, from the ``min_words``/``max_words`` of ``size`` (a size or a record)."""
+    chats, _, _ = make_chats(size["min_words"], size["max_words"])
     words = [len(c[-1]["content"].split()) for c in chats]
     return f"16 chats, answers of {min(words)}-{max(words)} words (mean {sum(words) / len(words):.0f})"
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short answers, one timed run, no warm-up")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per variant")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs per variant")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="folder of grpo_loss.jsonl (default: benchmarks/results; a --quick run records only here)")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
@@ -269,9 +330,14 @@ def main(argv=None) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} after "
         f"{args.warmup} warm-up; KL coeff {KL_COEFF}, entropy coeff {ENTROPY_COEFF}\n"
     )
-    print(run_table(size, args))
-    if not _torchrl_available():
-        print("\ntorchrl is not importable here: run with .venv-bench/bin/python for the comparison.")
+    records = measure_all(size, args, _results.run_id(), " ".join(["python", "benchmarks/grpo.py", *argv]))
+    print(markdown_table(HEADERS, rows(records)))
+    root = _results.destination(args.results, args.quick)
+    if root is not None:
+        for r in records:
+            _results.write("grpo_loss", r, key=("run", "variant"), root=root)
+        print(f"\n{len(records)} records in {Path(root) / 'grpo_loss.jsonl'}")
+    return records
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ TorchRL figure, and the table shows the median over ``--rounds`` rounds of wall-
 process-CPU time ratios (CPU time is disturbed far less by other jobs on a shared machine).
 The service row needs Ray, which the bench environment may lack: ``--ray-python`` names an
 interpreter that has it (default: this one when it imports ``ray``, else the row is skipped).
+A full run records one row of the table a line in ``benchmarks/results/scoring.jsonl`` (each
+round's figures and ratios, their medians; ``--results DIR`` elsewhere, a ``--quick`` run
+records only there); ``scoring_tables.py`` builds docs/performance.md's table from them.
 
     .venv-bench/bin/python benchmarks/scoring.py            # both libraries, 2 threads, 2 rounds
     .venv-bench/bin/python benchmarks/scoring.py --quick    # 4 chats, one round, one timed call
@@ -44,12 +47,16 @@ import importlib.util
 import os
 import random
 import statistics
+import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import markdown_table, measure_in_subprocess, mib  # noqa: E402
+import _results  # noqa: E402
+import scoring_tables  # noqa: E402
+from _common import child_error, measure_in_subprocess  # noqa: E402
 
 FULL_CHATS, QUICK_CHATS = 16, 4
 MIN_TOKENS, MAX_TOKENS = 95, 240
@@ -227,77 +234,94 @@ def _torchrl_available() -> bool:
     return True
 
 
-def _verdict(ratio: float, target: float) -> str:
-    return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
-
-
 @dataclass
 class Rounds:
-    """Every measurement of one run: per round, TorchRL's jobs and tether's entry points."""
+    """Every measurement of one run: per round, TorchRL's jobs and tether's entry points, each a
+    ``Measurement`` or, when it failed, its error message."""
 
     theirs: list[dict] = field(default_factory=list)
     ours: list[dict] = field(default_factory=list)
 
 
-def _median_ratio(rounds: Rounds, variant: str, attribute: str) -> float:
-    base = ENTRY_POINTS[variant].baseline
-    return statistics.median(getattr(o[variant], attribute) / max(getattr(t[base], attribute), 1e-9)
-                             for o, t in zip(rounds.ours, rounds.theirs))
+RATIOS = {"wall": "median_s", "cpu": "cpu_median_s", "memory": "peak_rss_growth_bytes"}
 
 
-def _median(measurements: list[dict], name: str, attribute: str) -> float:
-    return statistics.median(getattr(m[name], attribute) for m in measurements)
+def _summary(measurements: list) -> dict:
+    """A row's figures: each round's measurement and the medians over the rounds that the table
+    shows (an ``error`` and no medians when a round failed)."""
+    out = {"per_round": [{"error": m} if isinstance(m, str) else asdict(m) for m in measurements]}
+    failed = next((m for m in measurements if isinstance(m, str)), None)
+    if failed is not None:
+        return {**out, "error": failed, "wall_s": None, "cpu_s": None, "peak_rss_growth_bytes": None,
+                "peak_source": None}
+    return {**out, "wall_s": statistics.median(m.median_s for m in measurements),
+            "cpu_s": statistics.median(m.cpu_median_s for m in measurements),
+            "peak_rss_growth_bytes": statistics.median(m.peak_rss_growth_bytes for m in measurements),
+            "peak_source": ", ".join(sorted({m.peak_source for m in measurements}))}
 
 
-def _absolute(measurements: list[dict], name: str) -> list[str]:
-    """Median wall time, CPU time and peak memory growth of ``name`` over the rounds."""
-    wall, cpu = _median(measurements, name, "median_s"), _median(measurements, name, "cpu_median_s")
-    return [f"{wall:.2f}", f"{cpu:.2f}", mib(_median(measurements, name, "peak_rss_growth_bytes"))]
+def _ratios(ours: list, theirs: list) -> dict:
+    """Each round's tether / TorchRL ratios, against that round's TorchRL figure, and their medians
+    over the rounds; None where TorchRL did not run or either side failed."""
+    if not theirs or any(isinstance(m, str) for m in ours + theirs):
+        return {"ratio_rounds": None, **{f"{k}_ratio": None for k in RATIOS}}
+    per = [{k: getattr(o, a) / max(getattr(t, a), 1e-9) for k, a in RATIOS.items()} for o, t in zip(ours, theirs)]
+    return {"ratio_rounds": per, **{f"{k}_ratio": statistics.median(p[k] for p in per) for k in RATIOS}}
 
 
-def _rows(rounds: Rounds, variants: list[str]) -> list[list[str]]:
-    rows = []
+def records(rounds: Rounds, variants: list[str], common: dict) -> list[dict]:
+    """The rows of ``scoring.jsonl``: one a tether entry point, then one a TorchRL job; ``common``
+    holds the run, the workload, the versions and the stamp."""
+    out = []
     for variant in variants:
         entry = ENTRY_POINTS[variant]
-        row = [entry.label, entry.inputs, *_absolute(rounds.ours, variant)]
-        if not rounds.theirs:
-            rows.append(row + [""] * 6)
-            continue
-        t_ratio = _median_ratio(rounds, variant, "median_s")
-        m_ratio = _median_ratio(rounds, variant, "peak_rss_growth_bytes")
-        rows.append(row + [f"{t_ratio:.2f}x", f"{_median_ratio(rounds, variant, 'cpu_median_s'):.2f}x",
-                           _verdict(t_ratio, entry.time_target), f"{m_ratio:.3f}x",
-                           _verdict(m_ratio, entry.memory_target), f"TorchRL {entry.baseline}"])
+        ours, theirs = [r[variant] for r in rounds.ours], [r[entry.baseline] for r in rounds.theirs]
+        out.append({**common, "tool": "tether", "entry": variant, "label": entry.label, "input": entry.inputs,
+                    "against": entry.baseline, "time_target": entry.time_target,
+                    "memory_target": entry.memory_target, **_summary(ours), **_ratios(ours, theirs)})
     for job in sorted({t for r in rounds.theirs for t in r}):
-        rows.append([f"TorchRL {job}", "chats", *_absolute(rounds.theirs, job), "1.00x", "1.00x", "", "1.000x", "", ""])
-    return rows
+        out.append({**common, "tool": "torchrl", "entry": job, "label": f"TorchRL {job}", "input": "chats",
+                    "against": None, "time_target": None, "memory_target": None,
+                    **_summary([r[job] for r in rounds.theirs])})
+    return out
 
 
-def run_table(n_chats: int, args, with_torchrl: bool, variants: list[str]) -> str:
+def measure_rounds(n_chats: int, args, torchrl: str | None, variants: list[str]) -> Rounds:
+    """``args.rounds`` rounds of TorchRL's job then tether's entry points doing it. ``torchrl``:
+    "yes", None (not asked for) or why it cannot run here (recorded as its rows' error)."""
     def measure(setup: str, variant: str, python: str | None = None):
         kwargs = {"variant": variant, "n_chats": n_chats, "threads": args.threads}
         if setup == "setup_tether" and args.token_budget is not None:
             kwargs["token_budget"] = args.token_budget
         if setup == "setup_tether" and args.compile:
             kwargs["compile"] = True
-        return measure_in_subprocess(__file__, setup, kwargs, repeats=args.repeats, warmup=args.warmup,
-                                     python=python)
+        try:
+            return measure_in_subprocess(__file__, setup, kwargs, repeats=args.repeats, warmup=args.warmup,
+                                         python=python)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+            return child_error(exc)
 
     rounds = Rounds()
     for _ in range(args.rounds):
         theirs, ours = {}, {}
         for job in sorted({ENTRY_POINTS[v].baseline for v in variants}):
-            if with_torchrl:
-                theirs[job] = measure("setup_torchrl", job)
+            if torchrl is not None:
+                theirs[job] = measure("setup_torchrl", job) if torchrl == "yes" else torchrl
             for variant in (v for v in variants if ENTRY_POINTS[v].baseline == job):
                 ours[variant] = measure("setup_tether", variant, args.ray_python if variant == "service" else None)
         rounds.ours.append(ours)
-        if with_torchrl:
+        if torchrl is not None:
             rounds.theirs.append(theirs)
-    headers = ["entry point", "input", "wall (s)", "CPU (s)", "peak RSS growth (MiB)", "time ratio (wall)",
-               "time ratio (CPU)", "time target", "memory ratio", "memory target", "against"]
-    sources = sorted({m.peak_source for r in rounds.ours + rounds.theirs for m in r.values()})
-    return markdown_table(headers, _rows(rounds, variants)) + f"\n\npeak memory read from: {', '.join(sources)}"
+    return rounds
+
+
+def common_fields(n_chats: int, args, run: str, command: str) -> dict:
+    """What every row of one run shares: the run, the workload, the settings and the versions."""
+    return {"run": run, "quick": args.quick, "chats": n_chats, "min_tokens": MIN_TOKENS, "max_tokens": MAX_TOKENS,
+            "seed": SEED, "model": "SmolLM2-135M-Instruct", "dtype": "float32", "threads": args.threads,
+            "repeats": args.repeats, "warmup": args.warmup, "rounds": args.rounds, "compile": args.compile,
+            "token_budget": args.token_budget, "command": command, **_results.versions("torch", "torchrl"),
+            **_results.stamp()}
 
 
 def _ray_python(requested: str | None) -> str | None:
@@ -306,9 +330,10 @@ def _ray_python(requested: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("ray") is not None else None
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     import torch
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 chats, one round, one timed call")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per process")
@@ -321,6 +346,8 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", choices=sorted(ENTRY_POINTS), default=None, help="entry points to time")
     parser.add_argument("--ray-python", default=None, help="interpreter with Ray for the service row")
     parser.add_argument("--no-torchrl", action="store_true", help="tether entry points only")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="folder of scoring.jsonl (default: benchmarks/results; a --quick run records only here)")
     args = parser.parse_args(argv)
     n_chats = QUICK_CHATS if args.quick else FULL_CHATS
     args.repeats = args.repeats or (1 if args.quick else 2)
@@ -328,6 +355,8 @@ def main(argv=None) -> None:
     args.ray_python = _ray_python(args.ray_python)
     variants = [v for v in (args.only or ENTRY_POINTS) if v != "service" or args.ray_python is not None]
     with_torchrl = not args.no_torchrl and _torchrl_available()
+    torchrl = None if args.no_torchrl else "yes" if with_torchrl else (
+        "torchrl does not import in this interpreter: run with .venv-bench/bin/python")
     print(
         f"scoring {n_chats} chats ({MIN_TOKENS}-{MAX_TOKENS} tokens, seed {SEED}) with "
         f"SmolLM2-135M-Instruct float32, torch {torch.__version__}, {args.threads} thread(s), "
@@ -335,7 +364,15 @@ def main(argv=None) -> None:
         f"{'with' if with_torchrl else 'without'} TorchRL"
         + ("" if args.ray_python else "; no Ray here: service row skipped (--ray-python)") + "\n"
     )
-    print(run_table(n_chats, args, with_torchrl, variants))
+    rows = records(measure_rounds(n_chats, args, torchrl, variants), variants,
+                   common_fields(n_chats, args, _results.run_id(), " ".join(["python", "benchmarks/scoring.py", *argv])))
+    print(scoring_tables.body(rows))
+    root = _results.destination(args.results, args.quick)
+    if root is not None:
+        for row in rows:
+            _results.write("scoring", row, key=("run", "tool", "entry"), root=root)
+        print(f"\n{len(rows)} records in {Path(root) / 'scoring.jsonl'}")
+    return rows
 
 
 if __name__ == "__main__":

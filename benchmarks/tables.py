@@ -21,13 +21,9 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from _stats import interval  # noqa: E402
-import e2e_tables  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
-import logprobs  # noqa: E402
-import sampling  # noqa: E402
-import step_memory  # noqa: E402
-import step_profile  # noqa: E402
+import performance_tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
@@ -311,13 +307,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
                                                                          _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
-    "step-memory": ("docs/performance.md", lambda: step_memory.table(_results.read("step_memory"))),
-    "step-profile": ("docs/performance.md", lambda: step_profile.table(_results.read("step_profile"))),
-    "step-profile-ops": ("docs/performance.md", lambda: step_profile.ops_table(_results.read("step_profile"))),
-    "sampling": ("docs/performance.md", lambda: sampling.table(_results.read("sampling"))),
-    "logprobs": ("docs/performance.md", lambda: logprobs.table(_results.read("logprobs"))),
+    **performance_tables.TABLES,
     **gpu_tables.TABLES,
-    **e2e_tables.TABLES,
 }
 
 
