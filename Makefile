@@ -68,7 +68,7 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 
 bench: $(BENCH_STAMP)
 	$(BENCH_PY) -c "import llama_cpp" 2>/dev/null || $(BENCH_PY) -m pip install -q $(LLAMA_CPP)
-	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py benchmarks/sampling.py; do \
+	for script in benchmarks/logprobs.py benchmarks/scoring.py benchmarks/grpo.py benchmarks/e2e_grpo.py benchmarks/sampling.py benchmarks/step_profile.py; do \
 		test -f $$script && $(BENCH_PY) $$script || exit 1; \
 	done
 
