@@ -147,6 +147,16 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def met(ratio: float, target: float, higher_is_better: bool = False) -> bool:
+    """Whether a tether / peer ``ratio`` meets its ``target`` (a floor where higher is better)."""
+    return ratio >= target if higher_is_better else ratio <= target
+
+
+def verdict(ratio: float, target: float, higher_is_better: bool = False) -> str:
+    """``'met (<= 0.5x)'`` or ``'missed (>= 2x)'``: the ratio against its target, the direction named."""
+    return f"{'met' if met(ratio, target, higher_is_better) else 'missed'} ({'>=' if higher_is_better else '<='} {target:g}x)"
+
+
 def mib(n_bytes: float) -> str:
     return f"{n_bytes / 2**20:.1f}"
 

@@ -99,7 +99,7 @@ for _flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import cap_memory, markdown_table, measure_in_subprocess, mib  # noqa: E402
+from _common import cap_memory, markdown_table, measure_in_subprocess, met, mib, verdict  # noqa: E402
 
 FULL = {"prompts": 4, "group": 4, "max_new_tokens": 16}
 QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4}
@@ -563,14 +563,6 @@ def ratios(ours: dict | None, theirs: dict | None) -> tuple[float, float] | None
     if not ours or not theirs or "error" in ours or "error" in theirs:
         return None
     return ours["tokens_per_s"] / theirs["tokens_per_s"], ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
-
-
-def met(ratio: float, target: float, higher_is_better: bool) -> bool:
-    return ratio >= target if higher_is_better else ratio <= target
-
-
-def verdict(ratio: float, target: float, higher_is_better: bool) -> str:
-    return f"{'met' if met(ratio, target, higher_is_better) else 'missed'} ({'>=' if higher_is_better else '<='} {target}x)"
 
 
 def main_table(rows: list[dict]) -> str:

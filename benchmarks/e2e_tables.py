@@ -68,7 +68,8 @@ def _cell(r: dict[str, Any] | None, key: str, fmt: str, scale: float = 1.0) -> s
 
 def comparison(records: list[dict[str, Any]]) -> str:
     """tether against TRL per mode: tokens/s, peak RSS in the timed steps, median step, and the ratios."""
-    from e2e_grpo import MEMORY_TARGET, TOKENS_TARGET, label, met, ratios
+    from _common import met
+    from e2e_grpo import MEMORY_TARGET, TOKENS_TARGET, label, ratios
 
     rows = chosen(records)
     if not rows:

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import child_error, markdown_table, measure_in_subprocess, mib  # noqa: E402
+from _common import child_error, markdown_table, measure_in_subprocess, mib, verdict  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Show your reasoning, then give the number."
 WORDS = (
@@ -281,7 +281,7 @@ def rows(records: list[dict]) -> list[list[str]]:
         t_ratio, f_ratio = r["median_s"] / base["median_s"], r["footprint_bytes"] / max(base["footprint_bytes"], 1)
         targets = ["", ""]
         if r["variant"] != "torchrl":
-            targets = [_verdict(t_ratio, r["time_target"]), _verdict(f_ratio, r["memory_target"])]
+            targets = [verdict(t_ratio, r["time_target"]), verdict(f_ratio, r["memory_target"])]
         out.append(row + [f"{t_ratio:.2f}x", f"{r['cpu_median_s'] / base['cpu_median_s']:.2f}x", f"{f_ratio:.2f}x",
                           *targets])
     return out
@@ -289,21 +289,15 @@ def rows(records: list[dict]) -> list[list[str]]:
 
 def table(records: list[dict]) -> str:
     """docs/performance.md's ``grpo-loss`` table: the newest full (not ``--quick``) run's rows."""
-    full = [r for r in records if not r["quick"]]
-    if not full:
+    run = sorted(_results.newest_run(records), key=lambda r: list(VARIANTS).index(r["variant"]))
+    if not run:
         return ("No full run of `benchmarks/grpo.py` is recorded yet: `.venv-bench/bin/python benchmarks/grpo.py` "
                 "records one in `benchmarks/results/grpo_loss.jsonl`.")
-    newest = max(r["run"] for r in full)
-    run = sorted((r for r in full if r["run"] == newest), key=lambda r: list(VARIANTS).index(r["variant"]))
     first = run[0]
     return (markdown_table(HEADERS, rows(run)) + f"\n\n{describe(first)}, group size {first['group']}, KL coeff "
             f"{first['kl_coeff']}, entropy coeff {first['entropy_coeff']}, median of {first['repeats']} after "
-            f"{first['warmup']} warm-up; run {newest} on {first['machine']}, {first['date']}, commit {first['commit']}, "
+            f"{first['warmup']} warm-up; run {first['run']} on {first['machine']}, {first['date']}, commit {first['commit']}, "
             f"{first['threads']} thread(s), torch {first['torch']}, torchrl {first['torchrl']}: `{first['command']}`.")
-
-
-def _verdict(ratio: float, target: float) -> str:
-    return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
 
 
 def describe(size: dict) -> str:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import Measurement, markdown_table, measure_in_subprocess, mib  # noqa: E402
+from _common import Measurement, markdown_table, measure_in_subprocess, mib, verdict  # noqa: E402
 
 FULL = {"batch": 16, "tokens": 256, "vocab": 49152, "hidden_size": 576}
 QUICK = {"batch": 2, "tokens": 64, "vocab": 4096, "hidden_size": 64}
@@ -112,10 +112,6 @@ def _trl_available() -> bool:
     return True
 
 
-def _verdict(ratio: float, target: float) -> str:
-    return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
-
-
 def _variants(chunk_sizes) -> list[tuple[str, str, int, str | None]]:
     """(label, implementation, chunk size, why it cannot run or None) in table order; naive first."""
     rows = [("naive", "naive", 0, None)]
@@ -163,7 +159,7 @@ def _ratio_cells(r: dict, base: dict | None) -> list[str]:
     cells[1:3] = [f"{t:.2f}x", f"{r['cpu_median_s'] / base['cpu_median_s']:.2f}x"]
     cells[4] = f"{memory:.3f}x"
     if r["impl"] == "tether":
-        cells[5:] = [_verdict(t, TIME_TARGET), _verdict(memory, MEMORY_TARGET)]
+        cells[5:] = [verdict(t, TIME_TARGET), verdict(memory, MEMORY_TARGET)]
     return cells
 
 

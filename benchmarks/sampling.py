@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import Measurement, markdown_table, measure_in_subprocess  # noqa: E402
+from _common import Measurement, markdown_table, measure_in_subprocess, verdict  # noqa: E402
 
 ENGINES = ("tether", "hf-generate", "llama.cpp F16", "llama.cpp Q8_0")
 LLAMA_FTYPES = {"llama.cpp F16": "F16", "llama.cpp Q8_0": "Q8_0"}
@@ -246,7 +246,7 @@ def _ratio(layout: tuple[int, int], cells: dict[str, dict], peer: str) -> str:
     if a is None or b is None:
         return ""
     goal = GOALS[peer] if layout == GOAL_LAYOUT else None
-    return f"{a / b:.2f}x" + ("" if goal is None else f", {'met' if a / b >= goal else 'missed'} (>= {goal:g}x)")
+    return f"{a / b:.2f}x" + ("" if goal is None else f", {verdict(a / b, goal, higher_is_better=True)}")
 
 
 def speed_table(rows: list[dict]) -> str:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from _common import markdown_table, mib
+import _results
+from _common import markdown_table, mib, verdict
 
 HEADERS = ["entry point", "input", "wall (s)", "CPU (s)", "peak RSS growth (MiB)", "time ratio (wall)",
            "time ratio (CPU)", "time target", "memory ratio", "memory target", "against"]
 COMMAND = ".venv-bench/bin/python benchmarks/scoring.py --ray-python .venv/bin/python"
-
-
-def _verdict(ratio: float, target: float) -> str:
-    return f"{'met' if ratio <= target else 'missed'} (<= {target}x)"
 
 
 def _row(r: dict[str, Any]) -> list[str]:
@@ -29,8 +26,8 @@ def _row(r: dict[str, Any]) -> list[str]:
         return cells + ["1.00x", "1.00x", "", "1.000x", "", ""]
     if r["wall_ratio"] is None:
         return cells + [""] * 6
-    return cells + [f"{r['wall_ratio']:.2f}x", f"{r['cpu_ratio']:.2f}x", _verdict(r["wall_ratio"], r["time_target"]),
-                    f"{r['memory_ratio']:.3f}x", _verdict(r["memory_ratio"], r["memory_target"]),
+    return cells + [f"{r['wall_ratio']:.2f}x", f"{r['cpu_ratio']:.2f}x", verdict(r["wall_ratio"], r["time_target"]),
+                    f"{r['memory_ratio']:.3f}x", verdict(r["memory_ratio"], r["memory_target"]),
                     f"TorchRL {r['against']}"]
 
 
@@ -47,17 +44,15 @@ def body(records: list[dict[str, Any]]) -> str:
 
 def table(records: list[dict[str, Any]], compiled: bool = False) -> str:
     """The newest full run's table (``compiled``: the runs with ``--compile``), with its provenance."""
-    full = [r for r in records if not r["quick"] and r["compile"] == compiled and r["token_budget"] is None]
-    if not full:
+    run = _results.newest_run([r for r in records if r["compile"] == compiled and r["token_budget"] is None])
+    if not run:
         return (f"No full{' `--compile`' if compiled else ''} run of `benchmarks/scoring.py` is recorded yet: "
                 f"`{COMMAND}{' --compile --warmup 2' if compiled else ''}` records one in "
                 "`benchmarks/results/scoring.jsonl`.")
-    newest = max(r["run"] for r in full)
-    run = [r for r in full if r["run"] == newest]
     first = run[0]
     return (body(run) + f"; {first['chats']} chats ({first['min_tokens']}-{first['max_tokens']} tokens, seed "
             f"{first['seed']}), {first['model']} {first['dtype']}, median of {first['repeats']} calls after "
             f"{first['warmup']} warm-up per process, {first['rounds']} round(s), ratios paired within a round, "
-            f"median over rounds; run {newest} on {first['machine']}, {first['date']}, commit {first['commit']}, "
+            f"median over rounds; run {first['run']} on {first['machine']}, {first['date']}, commit {first['commit']}, "
             f"{first['threads']} thread(s), torch {first['torch']}, torchrl {first['torchrl']}: `{first['command']}`.")
 
