@@ -521,6 +521,9 @@ def summarise(result: dict) -> dict:
         "peak": records[-1]["hwm"],
         "lifetime": records[-1]["ru_maxrss"],
         "phases": {p: statistics.median(r["phases"][p] for r in records) for p in PHASES},
+        # tether's split of its phases (loss forward / backward, the leash's readings); TRL has none
+        "detail": {name: statistics.median(r["phase_detail"][name] for r in records)
+                   for name in (records[0].get("phase_detail") or {})},
         "threads": sorted({r["threads"] for r in records}),
     }
 
@@ -554,6 +557,7 @@ def record(run: str, tool: str, mode: str, setup: dict, result: dict) -> dict:
     return {**row, "median_step_s": s["wall"], "step_times_s": list(s["times"]), "cpu_s": s["cpu"],
             "tokens_per_step": s["tokens"], "tokens_per_s": s["tokens_per_s"], "mean_completion_tokens": s["completion"],
             "peak_rss_bytes": s["peak"], "lifetime_rss_bytes": s["lifetime"], "phases_s": s["phases"],
+            "phase_detail_s": s["detail"],
             # VmHWM: the timed steps' peak; ru_maxrss where the kernel's counter could not be reset (process life)
             "peak_rss_source": result["m"].peak_source, "threads_seen": s["threads"], **_results.stamp()}
 
@@ -587,15 +591,19 @@ def main_table(rows: list[dict]) -> str:
 
 
 def phase_table(rows: list[dict]) -> str:
-    """Median seconds a step per phase and its share of the step, one line a row that ran."""
+    """Median seconds a step per phase and its share of the step, one line a row that ran; and of
+    the last phase, what tether's leash spent reading the kept weights (``kl_bound``; TRL has none)."""
     lines = []
     for r in rows:
         if "error" in r:
             continue
         total = sum(r["phases_s"].values())
+        readings = r.get("phase_detail_s", {}).get("readings")
         lines.append([label(r), DISPLAY[r["tool"]]]
-                     + [f"{r['phases_s'][p]:.2f} ({100 * r['phases_s'][p] / total:.0f}%)" for p in PHASES])
-    return markdown_table(["mode", "tool"] + [f"{PHASE_TITLES[p]} (s)" for p in PHASES], lines)
+                     + [f"{r['phases_s'][p]:.2f} ({100 * r['phases_s'][p] / total:.0f}%)" for p in PHASES]
+                     + ["" if readings is None else f"{readings:.2f}"])
+    return markdown_table(["mode", "tool"] + [f"{PHASE_TITLES[p]} (s)" for p in PHASES]
+                          + ["of which the leash's reading of the kept weights (s)"], lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -118,9 +118,7 @@ def figures(result: dict) -> dict:
         "median_step_s": s["wall"], "step_times_s": list(s["times"]), "tokens_per_step": s["tokens"],
         "tokens_per_s_per_gpu": s["tokens_per_s"] / GPUS, "generation_share": statistics.median(shares),
         "mean_completion_tokens": s["completion"], "phases_s": s["phases"],
-        # tether's loss pass split, the budget's copy and readings (medians over the timed steps)
-        "phase_detail_s": {name: statistics.median(r["phase_detail"][name] for r in records)
-                           for name in (records[0].get("phase_detail") or {})},
+        "phase_detail_s": s["detail"],  # tether's loss pass split, the budget's copy and readings
         "peak_gpu_memory_bytes": statistics.median(peaks) if peaks else None,
         # where the peak falls: each wrapped phase's largest peak over the timed steps
         "peak_gpu_memory_by_phase_bytes": {name: max(p[name] for p in by_phase if name in p)

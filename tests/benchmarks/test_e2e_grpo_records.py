@@ -58,7 +58,17 @@ def test_the_row_carries_summarise_figures_of_a_measurement():
                    "step_times_s": [1.5, 2.0, 2.5], "cpu_s": 3.5, "tokens_per_step": 110.0, "tokens_per_s": 55.0,
                    "mean_completion_tokens": 4.0, "peak_rss_bytes": 300 * MIB, "lifetime_rss_bytes": 500 * MIB,
                    "phases_s": {"sampling": 1.5, "scoring": 0.5, "loss": 1.0, "optimizer": 0.25}, "peak_rss_source": "VmHWM",
-                   "threads_seen": [2]}
+                   "phase_detail_s": {}, "threads_seen": [2]}
+
+
+def test_tether_rows_carry_the_median_of_its_phase_split():
+    """tether's steps split their phases (readings 0.5 and 1.5 s: median 1.0); TRL's do not (above)."""
+    steps = [{"tokens": 100, "mean_completion": 3.0, "hwm": 1, "ru_maxrss": 1, "threads": 2,
+              "phases": dict.fromkeys(e2e_grpo.PHASES, 1.0), "phase_detail": {"readings": r, "loss_forward": 0.5}}
+             for r in (0.5, 1.5)]
+    m = Measurement(median_s=4.0, times_s=(4.0,), cpu_median_s=8.0, peak_rss_growth_bytes=0, peak_source="VmHWM")
+    row = e2e_grpo.record("r", "tether", "LoRA", SETUP, {"m": m, "records": steps})
+    assert row["phase_detail_s"] == {"readings": 1.0, "loss_forward": 0.5}
 
 
 def test_a_failed_variant_is_recorded_with_its_error_and_no_figures():
@@ -127,9 +137,10 @@ def test_a_failed_or_missing_tool_is_named_and_gets_no_ratio():
 def test_the_phase_table_is_the_printed_one_of_the_same_rows():
     """Phases 1.5 / 0.5 / 2.5 / 0.5 s of a 5.0 s step: 30 %, 10 %, 50 %, 10 %; the older run r1
     and a failed row are left out."""
-    rows = _run("r1")[:2] + _run("r2")[:1] + [_row("r2", "trl", "lora", None, None, error="boom")]
+    rows = (_run("r1")[:2] + [_row("r2", "tether", "lora", 200.0, 2048, phase_detail_s={"readings": 0.25})]
+            + [_row("r2", "trl", "lora", None, None, error="boom")])
     table = e2e_tables.phases(rows)
-    assert _body(table) == ["| LoRA | tether | 1.50 (30%) | 0.50 (10%) | 2.50 (50%) | 0.50 (10%) |"]
+    assert _body(table) == ["| LoRA | tether | 1.50 (30%) | 0.50 (10%) | 2.50 (50%) | 0.50 (10%) | 0.25 |"]
     assert "Run r2:" in table and "Run r1" not in table and "--modes LoRA`" in table
 
 
