@@ -5,6 +5,7 @@ tables from the newest record of each seed.
 
     make train && python benchmarks/default_run.py            # the default run
     python benchmarks/default_run.py runs/seed1 --note "..."  # another run of the same config
+    make train-tools && python benchmarks/default_run.py runs/train-tools --into tool_run   # the tool task's run
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_dir", nargs="?", default="runs/train", type=Path)
     parser.add_argument("--note", default="", help="how the run was made (e.g. 'make train in a fresh clone')")
     parser.add_argument("--commit", default="", help="the commit the run ran (default: this checkout's)")
+    parser.add_argument("--into", default="default_run",
+                        help="the records' file in benchmarks/results (tool_run: make train-tools' run)")
     args = parser.parse_args(argv)
     if not (args.run_dir / "summary.json").is_file():
         raise SystemExit(f"{args.run_dir}: no summary.json; record a finished run (make train writes runs/train).")
     rec = record(args.run_dir, args.note, args.commit)
-    _results.write("default_run", rec, key=("seed", "kl_push", "commit", "machine"))
+    _results.write(args.into, rec, key=("seed", "kl_push", "commit", "machine"))
     s = rec["summary"]
     print(f"recorded seed {rec['seed']} at {rec['commit']}: {100 * s['accuracy_before']:.1f} % -> "
           f"{100 * s['accuracy_after']:.1f} %, {s['steps_over_kl_bound']} kept over kl_bound, "

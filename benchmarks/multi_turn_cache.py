@@ -7,7 +7,9 @@ its end-of-turn token is read as a calculator call (a parser that always finds o
 turn follows it; the third message, or one cut at ``--max-new-tokens``, ends the episode. The
 single-turn baseline samples, after the same prompts, as many tokens per row as the episode
 sampled in all its messages (forced lengths), in one call. Each variant runs ``--repeats`` times
-from the same seed; the table gives medians and ratios to the baseline.
+from the same seed; the table gives medians and ratios to the baseline. A run appends one record
+to ``benchmarks/results/multi_turn_cache.jsonl`` (``--results DIR`` elsewhere); ``table`` builds
+the README's and docs/tools.md's table from the newest.
 
     python benchmarks/multi_turn_cache.py [--episodes 16] [--max-new-tokens 32] [--threads 2]
 """
@@ -16,9 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _results  # noqa: E402
 
 from tether.models import TransformersWrapper
 from tether.models.batch_io import write_objects
@@ -35,6 +43,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="per assistant message")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--results", type=Path, default=None, help="folder of multi_turn_cache.jsonl "
+                        "(default: benchmarks/results)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_default_model()
@@ -75,13 +85,37 @@ def main() -> None:
                 fn()
                 times[name].append(time.perf_counter() - start)
     turns = td["episode", "turns"].tolist()
-    print(f"{len(chats)} episodes, turns {min(turns)}-{max(turns)}, {int(sampled.sum())} sampled tokens, "
-          f"{int(td['masks', 'all_attention_mask'].sum())} tokens in all; {args.threads} threads, "
-          f"median of {args.repeats}")
-    base = statistics.median(times["single turn, same tokens"])
-    print("| variant | seconds | x single turn |\n|---|---|---|")
-    for name, values in times.items():
-        print(f"| {name} | {statistics.median(values):.2f} | {statistics.median(values) / base:.2f} |")
+    record = {"run": _results.run_id(), "episodes": len(chats), "max_new_tokens": args.max_new_tokens,
+              "threads": args.threads, "repeats": args.repeats, "turns": [min(turns), max(turns)],
+              "sampled_tokens": int(sampled.sum()), "all_tokens": int(td["masks", "all_attention_mask"].sum()),
+              "seconds": {VARIANTS[name]: values for name, values in times.items()},
+              **_results.versions("torch"), **_results.stamp()}
+    _results.write("multi_turn_cache", record, key=("run",), root=args.results)
+    print(table([record]))
+
+
+# the record's name of each variant, and the table's
+VARIANTS = {"single turn, same tokens": "single_turn", "three turns, cache kept": "cache_kept",
+            "three turns, prefilled each turn": "prefilled"}
+TITLES = {"single_turn": "one turn, the same sampled tokens", "cache_kept": "three turns, cache kept (the default)",
+          "prefilled": "three turns, the conversation prefilled every turn"}
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """The newest run: median seconds of each variant and its ratio to one turn of the same tokens."""
+    if not records:
+        return ("No run is recorded yet: `python benchmarks/multi_turn_cache.py --threads 1` records one in "
+                "`benchmarks/results/multi_turn_cache.jsonl`.")
+    r = max(records, key=lambda r: r["run"])
+    medians = {k: statistics.median(v) for k, v in r["seconds"].items()}
+    lines = ["| sampling | seconds | × one turn of the same tokens |", "|---|---|---|"]
+    for key, title in TITLES.items():
+        ratio = f"{medians[key] / medians['single_turn']:.2f}"
+        lines.append(f"| {title} | {medians[key]:.1f} | {'**' + ratio + '**' if key == 'cache_kept' else ratio} |")
+    return "\n".join(lines) + (
+        f"\n\n{r['episodes']} episodes of {r['turns'][0]}-{r['turns'][1]} messages, {r['sampled_tokens']} sampled "
+        f"tokens, up to {r['max_new_tokens']} a message; {r['threads']} thread(s), median of {r['repeats']}; "
+        f"{r['machine']}, {r['date']}, commit {r['commit']}.")
 
 
 if __name__ == "__main__":

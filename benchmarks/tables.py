@@ -23,6 +23,7 @@ import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
+import multi_turn_cache  # noqa: E402
 import performance_tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -307,6 +308,8 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
                                                                          _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
+    "multi-turn-cache": ("docs/tools.md", lambda: multi_turn_cache.table(_results.read("multi_turn_cache"))),
+    "readme-multi-turn-cache": ("README.md", lambda: multi_turn_cache.table(_results.read("multi_turn_cache"))),
     **performance_tables.TABLES,
     **gpu_tables.TABLES,
 }
