@@ -23,8 +23,8 @@ import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
-import multi_turn_cache  # noqa: E402
 import performance_tables  # noqa: E402
+import tool_tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
@@ -308,8 +308,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
                                                                          _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     **frontier_tables.TABLES,
-    "multi-turn-cache": ("docs/tools.md", lambda: multi_turn_cache.table(_results.read("multi_turn_cache"))),
-    "readme-multi-turn-cache": ("README.md", lambda: multi_turn_cache.table(_results.read("multi_turn_cache"))),
+    **tool_tables.TABLES,
     **performance_tables.TABLES,
     **gpu_tables.TABLES,
 }
