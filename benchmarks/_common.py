@@ -93,10 +93,11 @@ def measure_in_subprocess(
 
 
 def child_error(exc: BaseException) -> str:
-    """What a failed measurement records: the last line the child printed (its exception, from
-    ``measure_in_subprocess``'s ``RuntimeError``), or the error's own first line."""
+    """What a failed measurement records: the last exception line the child printed (from
+    ``measure_in_subprocess``'s ``RuntimeError``), else its last line, else the error's type."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(exc).__name__)[:300]
+    errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    return (errors[-1] if errors else lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def cap_memory(cap_mib: float | None, device: str) -> None:

@@ -99,7 +99,7 @@ for _flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import cap_memory, markdown_table, measure_in_subprocess, met, mib, verdict  # noqa: E402
+from _common import cap_memory, child_error, markdown_table, measure_in_subprocess, met, mib, verdict  # noqa: E402
 
 FULL = {"prompts": 4, "group": 4, "max_new_tokens": 16}
 QUICK = {"prompts": 2, "group": 2, "max_new_tokens": 4}
@@ -494,18 +494,11 @@ def measure(tool: str, work: dict, args) -> dict:
             m = measure_in_subprocess(__file__, setup, {"work": work, "info_path": info_path},
                                       repeats=args.steps, warmup=args.warmup, timeout_s=args.timeout)
         except Exception as exc:  # noqa: BLE001 - reported in the table instead of aborting the run
-            return {"error": _error_line(exc), "detail": str(exc)}
+            return {"error": child_error(exc), "detail": str(exc)}
         with open(info_path) as f:
             records = [json.loads(line) for line in f if line.strip()]
     timed = records[args.warmup:]
     return {"m": m, "records": timed}
-
-
-def _error_line(exc: Exception) -> str:
-    """The last exception line of a failed child's stderr (or the exception itself)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
-    return (errors[-1] if errors else lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def summarise(result: dict) -> dict:
