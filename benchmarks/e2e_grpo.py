@@ -629,9 +629,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def results_dir(args: argparse.Namespace):
-    """Where the rows go: ``--results``, else ``benchmarks/results`` for a full run; a quick run without
-    ``--results`` records nothing (a smoke run never touches the committed records)."""
-    return args.results if args.results is not None else None if args.quick else _results.RESULTS
+    """Where the rows go (``_results.destination``: a quick run without ``--results`` records nothing)."""
+    return _results.destination(args.results, args.quick)
 
 
 def main(argv=None) -> list[dict]:

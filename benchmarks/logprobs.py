@@ -199,8 +199,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 5 if args.quick else 3
-    if args.results is None and not args.quick:
-        args.results = _results.RESULTS
+    args.results = _results.destination(args.results, args.quick)
     text = args.chunk_sizes
     args.chunk_sizes = [int(c) for c in text.split(",") if c.strip().isdigit() and int(c) > 0]
     if len(args.chunk_sizes) != len(text.split(",")):

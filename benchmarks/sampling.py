@@ -305,8 +305,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.engines) - set(ENGINES))
     if unknown:
         parser.error(f"--engines: unknown {unknown}; choose from {list(ENGINES)}")
-    if args.results is None and not args.quick:
-        args.results = _results.RESULTS
+    args.results = _results.destination(args.results, args.quick)
     return args
 
 

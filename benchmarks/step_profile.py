@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -236,8 +235,8 @@ def main(argv=None) -> dict:
     print(table([record]))
     if args.ops:
         print("\n" + ops_table([record]))
-    if args.results or args.model == "default":
-        root = Path(args.results) if args.results else None
+    root = _results.destination(args.results, quick=args.model != "default")  # a smoke model records only where told
+    if root is not None:
         _results.write("step_profile", record, key=("run",), root=root)
     return record
 

@@ -95,7 +95,7 @@ def test_the_settings_name_the_workload_and_the_versions():
 def test_a_quick_run_records_only_where_results_is_given(tmp_path):
     assert e2e_grpo.results_dir(e2e_grpo.parse_args([])) == _results.RESULTS
     assert e2e_grpo.results_dir(e2e_grpo.parse_args(["--quick"])) is None
-    assert e2e_grpo.results_dir(e2e_grpo.parse_args(["--quick", "--results", str(tmp_path)])) == str(tmp_path)
+    assert e2e_grpo.results_dir(e2e_grpo.parse_args(["--quick", "--results", str(tmp_path)])) == tmp_path
 
 
 def test_the_comparison_reads_the_newest_full_run_and_takes_ratios_within_it():
