@@ -94,7 +94,10 @@ def measure_in_subprocess(
 
 def child_error(exc: BaseException) -> str:
     """What a failed measurement records: the last exception line the child printed (from
-    ``measure_in_subprocess``'s ``RuntimeError``), else its last line, else the error's type."""
+    ``measure_in_subprocess``'s ``RuntimeError``), else its last line, else the error's type; a
+    timeout by its limit (its message is the whole command line)."""
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"timed out after {exc.timeout:g} s"
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
     return (errors[-1] if errors else lines[-1] if lines else type(exc).__name__)[:300]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import Measurement, markdown_table, measure_in_subprocess, mib, verdict  # noqa: E402
+from _common import Measurement, child_error, markdown_table, measure_in_subprocess, mib, verdict  # noqa: E402
 
 FULL = {"batch": 16, "tokens": 256, "vocab": 49152, "hidden_size": 576}
 QUICK = {"batch": 2, "tokens": 64, "vocab": 4096, "hidden_size": 64}
@@ -141,7 +141,7 @@ def measure_rows(shapes, chunk_sizes, args) -> list[dict]:
             try:
                 m = measure_in_subprocess(__file__, "setup_variant", kwargs, repeats=args.repeats, warmup=args.warmup)
             except (RuntimeError, subprocess.TimeoutExpired) as error:
-                rows.append({**row, "error": str(error)[-2000:]})
+                rows.append({**row, "error": child_error(error)})
                 continue
             rows.append(measured_row(mode, label, impl, chunk, m))
     return rows

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _results  # noqa: E402
-from _common import Measurement, markdown_table, measure_in_subprocess, verdict  # noqa: E402
+from _common import Measurement, child_error, markdown_table, measure_in_subprocess, verdict  # noqa: E402
 
 ENGINES = ("tether", "hf-generate", "llama.cpp F16", "llama.cpp Q8_0")
 LLAMA_FTYPES = {"llama.cpp F16": "F16", "llama.cpp Q8_0": "Q8_0"}
@@ -326,7 +326,7 @@ def measure_rows(args, layouts, new_tokens, prompts, pad_id, gguf, llama: str | 
                 m = measure_in_subprocess(__file__, "setup_engine", kwargs, repeats=args.repeats, warmup=args.warmup,
                                           timeout_s=args.timeout, python=args.llama_python if on_llama else None)
             except (RuntimeError, subprocess.TimeoutExpired) as error:
-                rows.append({**row, "error": str(error)[-2000:]})
+                rows.append({**row, "error": child_error(error)})
                 print(f"  {layout_label(n_prompts, group)}, {engine}: failed", file=sys.stderr, flush=True)
                 continue
             rows.append(measured_row(engine, n_prompts, group, new_tokens, m))
