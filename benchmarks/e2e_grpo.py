@@ -532,12 +532,11 @@ def settings(args: argparse.Namespace, work: dict, micro_batch_size: int) -> dic
     """The workload and library versions every row of one invocation records."""
     import torch
 
-    installed = _results.version
     return {"model": "default", "device": "CPU", "dtype": "float32", "prompts": work["prompts"], "group": work["group"],
             "max_new_tokens": work["max_new_tokens"], "micro_batch_size": micro_batch_size, "threads": work["threads"],
             "natural_lengths": work["natural_lengths"], "trl_gradient_checkpointing": work["trl_gradient_checkpointing"],
             "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "torch": torch.__version__,
-            "trl": installed("trl"), "transformers": installed("transformers"), "peft": installed("peft")}
+            **_results.versions("trl", "transformers", "peft")}
 
 
 def record(run: str, tool: str, mode: str, setup: dict, result: dict) -> dict:
