@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import _results
-from _stats import interval
+from _stats import interval, t95
 
 PLOT = "docs/frontier.png"
 
@@ -63,6 +63,11 @@ def on_curve(knots: list[tuple[float, float]], kl: float) -> float:
     return y0 if x1 == x0 else y0 + (y1 - y0) * (kl - x0) / (x1 - x0)
 
 
+def residuals(runs: list[dict[str, Any]], knots: list[tuple[float, float]]) -> list[float]:
+    """Each run's accuracy less the curve's at the run's own held-out KL."""
+    return [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in runs]
+
+
 def _cell(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     values = [scale * v for v in values if v is not None]
     if not values:
@@ -95,8 +100,7 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
         gains = [r["heldout_accuracy"] - base[r["seed"]] for r in rs if r["seed"] in base]
         against = curve_family(point)
         knots = curves[against] if against else []
-        residual = "–" if len(knots) < 2 else _cell(
-            [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in rs], 100, "{:+.1f}")
+        residual = "–" if len(knots) < 2 else _cell(residuals(rs, knots), 100, "{:+.1f}")
         residual += f" ({against})" if residual != "–" and against != "constant" else ""
         mean_kl = sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs)
         outside = knots and not knots[0][0] <= mean_kl <= knots[-1][0]
@@ -107,6 +111,53 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
                      f"| {_cell([r.get('capability_rate') for r in rs], 100)} |")
     return "\n".join(lines) + "\n\n" + provenance(records) + (f"\n\n![The frontier, {mode} runs](frontier.png)"
                                                               if mode == _plotted_mode(_results.read("frontier")) else "")
+
+
+# Seeds a point whose residual's interval is shown: the full grid's, and what the page asks of it.
+POWER_SEEDS = (3, 8, 16, 32)
+POWER_GOAL = 2.0  # points: the half-width under which a 2-point residual's interval clears 0
+
+
+def residual_spread(records: list[dict[str, Any]]) -> tuple[float, int, int]:
+    """``(sd, df, runs)``: the spread over seeds of the trained variants' residuals, pooled over
+    every variant point with two or more seeds (each point's own mean taken out), in accuracy."""
+    curves = {family: curve(records, family) for family in CURVES}
+    squares, df, runs = 0.0, 0, 0
+    for point in sorted({r["point"] for r in records}):
+        against = curve_family(point)
+        rs = [r for r in records if r["point"] == point]
+        if against is None or _family(point) in ("base", "best-of-n") or len(rs) < 2 or len(curves[against]) < 2:
+            continue
+        values = residuals(rs, curves[against])
+        mean = sum(values) / len(values)
+        squares += sum((v - mean) ** 2 for v in values)
+        df, runs = df + len(values) - 1, runs + len(values)
+    return (math.sqrt(squares / df) if df else math.nan), df, runs
+
+
+def seeds_for(sd: float, half_width: float) -> int:
+    """The fewest seeds whose 95 % t interval of a mean is at most ``half_width`` at spread ``sd``
+    (beyond 31 seeds the t quantile stays at 30 degrees of freedom's 2.042: a seed or two too many)."""
+    n = 2
+    while t95(n) * sd / math.sqrt(n) > half_width:
+        n += 1
+    return n
+
+
+def power_table(records: list[dict[str, Any]]) -> str:
+    """Per mode: how wide a variant's residual interval is at a number of seeds, from the spread
+    its runs showed, and the seeds a half-width of ``POWER_GOAL`` points needs."""
+    lines = ["| mode | variant runs (df) | residual spread over seeds, sd (points) | half-width of a point's 95 % interval at "
+             + " / ".join(map(str, POWER_SEEDS)) + f" seeds (points) | seeds for a half-width of {POWER_GOAL:g} points |",
+             "|---|---|---|---|---|"]
+    for mode in ("full", "reduced"):
+        sd, df, runs = residual_spread([r for r in records if r.get("mode") == mode])
+        if df:
+            widths = " / ".join(f"{100 * t95(n) * sd / math.sqrt(n):.1f}" for n in POWER_SEEDS)
+            lines.append(f"| {mode} | {runs} ({df}) | {100 * sd:.1f} | {widths} | {seeds_for(100 * sd, POWER_GOAL)} |")
+    if len(lines) == 2:
+        return "No variant has two seeds yet: the spread over seeds needs them (`python benchmarks/frontier.py`)."
+    return "\n".join(lines)
 
 
 def provenance(records: list[dict[str, Any]]) -> str:
@@ -189,5 +240,6 @@ def _bars(ax, xs: list[tuple[float, float]], ys: list[tuple[float, float]], labe
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "frontier-points": ("docs/frontier.md", lambda: points_table(_results.read("frontier"), "full")),
     "frontier-reduced": ("docs/frontier.md", lambda: points_table(_results.read("frontier"), "reduced")),
+    "frontier-power": ("docs/frontier.md", lambda: power_table(_results.read("frontier"))),
 }
 PLOTS: dict[str, Callable[[Path], None]] = {PLOT: plot}

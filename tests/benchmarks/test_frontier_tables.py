@@ -74,3 +74,20 @@ def test_the_moving_reference_is_read_against_full_fine_tuning_and_a_landed_poin
     assert "| +6.0 (-6.7 to +18.7) (full-constant) |" in row["budget-moving-t1"]
     assert "| +3.5 (-9.2 to +16.2) |" in row["constant-0-land-t1"] and "| +3.5 (-9.2 to +16.2) |" in row["budget-t1"]
     assert row["full-constant-0"].count("| – |") == 1  # a knot has no residual
+
+
+def test_the_power_table_pools_the_variants_residual_spread_and_counts_the_seeds_it_needs():
+    """budget-t1's residuals are +2.5 and +4.5 points (above): deviations -+1 from their mean, one
+    degree of freedom, sd sqrt(2) = 1.414 points. Half-widths t95(n) sd / sqrt(n): n = 3 4.303 *
+    1.414 / 1.732 = 3.5, n = 8 2.365 / 2 = 1.2, n = 16 2.131 * 1.414 / 4 = 0.8, n = 32 2.042 *
+    1.414 / 5.657 = 0.5; 4 seeds give 3.182 * 1.414 / 2 = 2.25 > 2, 5 give 2.776 * 1.414 / 2.236
+    = 1.76: 5 seeds. Best-of-n, the base model and a point of one seed add nothing to the spread."""
+    extra = [_record("best-of-n-8", 0, 1.2, 0.10), _record("best-of-n-8", 1, 1.2, 0.90),
+             _record("base", 2, 0.0, 0.90), _record("budget-t3", 0, 1.5, 0.99)]
+    table = frontier_tables.power_table(RECORDS + extra)
+    assert table.splitlines()[2] == "| full | 2 (1) | 1.4 | 3.5 / 1.2 / 0.8 / 0.5 | 5 |"
+    assert len(table.splitlines()) == 3  # no reduced records: no row
+    sd, df, runs = frontier_tables.residual_spread(RECORDS + extra)
+    assert (df, runs) == (1, 2) and sd == pytest.approx(2 ** 0.5 / 100, rel=1e-12)
+    assert frontier_tables.seeds_for(1.0, 1.0) == 7  # 2.571 / sqrt(6) = 1.050 > 1, 2.447 / sqrt(7) = 0.925
+    assert frontier_tables.power_table(RECORDS[:4]).startswith("No variant has two seeds yet")
