@@ -25,6 +25,7 @@ import default_run_tables  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
 import performance_tables  # noqa: E402
+import sharded  # noqa: E402
 import tool_tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,6 +288,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "leash-lrfollow-pairs": ("docs/leash.md", lambda: lrfollow_comparison(_results.read("leash_lrfollow"),
                                                                          _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
+    "sharded": ("docs/scaling.md", lambda: sharded.table(_results.read("sharded"))),
     **default_run_tables.TABLES,
     **frontier_tables.TABLES,
     **tool_tables.TABLES,
