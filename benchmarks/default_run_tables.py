@@ -14,7 +14,8 @@ from typing import Any, Callable
 import _results
 
 BAND = 0.25  # a step is in band when its exact KL lies within +-25 % of the target
-COMMAND = "tether train --seed S --threads 1 kl_push=true|false, each recorded by python benchmarks/default_run.py"
+COMMAND = ("`tether train --seed S --threads 1 --out runs/pS kl_push=true|false`, each run recorded by "
+           "`python benchmarks/default_run.py runs/pS`")
 
 
 def pairs(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -43,7 +44,7 @@ def push_pairs(records: list[dict[str, Any]]) -> str:
     """The default run with and without the push: one row a side of each pair (``pairs``)."""
     found = pairs(records)
     if not found:
-        return f"No seed recorded both with and without the push at one commit and thread count yet (`{COMMAND}`)."
+        return f"No seed recorded both with and without the push at one commit and thread count yet ({COMMAND})."
     rows = ["| seed | commit, threads | push | held-out accuracy after | held-out KL, sampled / greedy "
             "| kept KL, last 3 steps | steps 3-16 in band | kept scale > 1 | rejected | seconds in steps |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -56,7 +57,7 @@ def push_pairs(records: list[dict[str, Any]]) -> str:
                         f"| {steps_in_band(r)} | {sum(x['kl_move_scale'] > 1 for x in steps)} "
                         f"| {s.get('steps_rejected', 0)} | {s['seconds_in_steps']:.0f} |")
     stamps = sorted({(r["machine"], r["date"]) for pair in found for r in pair})
-    return "\n".join(rows) + "\n\n" + "; ".join(f"{m}, {d}" for m, d in stamps) + f"; `{COMMAND}`."
+    return "\n".join(rows) + "\n\n" + "; ".join(f"{m}, {d}" for m, d in stamps) + f"; {COMMAND}."
 
 
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {

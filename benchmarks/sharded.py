@@ -42,7 +42,8 @@ sys.path.insert(0, str(HERE.parent))
 import _results  # noqa: E402
 
 COMMANDS = ("python benchmarks/sharded.py", "python benchmarks/sharded.py --lora-rank 0",
-            "python benchmarks/sharded.py --ranks 1 --threads 2", "python benchmarks/sharded.py --ranks 1 --threads 2 --lora-rank 0")
+            "python benchmarks/sharded.py --ranks 1 --threads 2",
+            "python benchmarks/sharded.py --ranks 1 --threads 2 --lora-rank 0")
 
 
 def _rss_mib() -> float:
@@ -144,7 +145,8 @@ def table(rows: list[dict]) -> str:
     rows = newest(rows)
     if not rows:
         return ("No run of `benchmarks/sharded.py` is recorded yet: on an idle machine, "
-                + ", ".join(f"`{c}`" for c in COMMANDS) + " record the rows and `python benchmarks/tables.py` builds this table.")
+                + ", ".join(f"`{c}`" for c in COMMANDS)
+                + " record the rows and `python benchmarks/tables.py` builds this table.")
     return render(rows)
 
 

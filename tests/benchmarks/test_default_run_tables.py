@@ -31,7 +31,8 @@ def test_a_pair_needs_one_commit_and_thread_count_and_shows_the_newest_of_each_s
     assert lines[2] == "| 0 | aaa, 1 | on | 52.0 % | 2.10 / 2.00 | 2.10 | 1 of 2 | 1 | 0 | 100 |"
     assert lines[3] == "| 0 | aaa, 1 | off | 59.3 % | 2.10 / 2.00 | 2.10 | 1 of 2 | 1 | 0 | 100 |"
     assert lines[4] == ""
-    assert lines[5].startswith("Box, 2 cores, 2026-11-28; `tether train --seed S --threads 1 kl_push=true|false")
+    assert lines[5].startswith("Box, 2 cores, 2026-11-28; "
+                               "`tether train --seed S --threads 1 --out runs/pS kl_push=true|false`")
     assert len(lines) == 6
 
 
@@ -40,7 +41,8 @@ def test_torchs_default_thread_count_is_named_and_seeds_come_in_order():
     records = [record(True, "ccc", 1, 0.5, seed=1), record(False, "ccc", 1, 0.5, seed=1),
                record(True, "ddd", 0, 0.6), record(False, "ddd", 0, 0.7)]
     rows = default_run_tables.push_pairs(records).splitlines()[2:6]
-    assert [row.split(" | ")[:3] for row in rows] == [["| 0", "ddd, torch's default", "on"], ["| 0", "ddd, torch's default", "off"],
+    assert [row.split(" | ")[:3] for row in rows] == [["| 0", "ddd, torch's default", "on"],
+                                                      ["| 0", "ddd, torch's default", "off"],
                                                       ["| 1", "ccc, 1", "on"], ["| 1", "ccc, 1", "off"]]
 
 
