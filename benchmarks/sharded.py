@@ -15,7 +15,13 @@ and half the batch's activations. The rollout, reference and KL passes gather th
 weights (``tether.train.sharding``), so a rank's peak still includes one full copy of the
 weights during them.
 
-Usage: ``python benchmarks/sharded.py [--model default --lora-rank 16 | --model tiny --lora-rank 0]``.
+A run writes one record per rank count to ``benchmarks/results/sharded.jsonl`` (``--results DIR``
+elsewhere; a ``--quick`` run, the tiny model for 2 steps, only when given); ``table`` builds the
+scaling page's table from the newest record of each (fine-tuning, ranks, threads).
+
+    python benchmarks/sharded.py                          # LoRA rank 16, 1 and 2 ranks
+    python benchmarks/sharded.py --lora-rank 0            # full fine-tuning
+    python benchmarks/sharded.py --ranks 1 --threads 2    # one process on both cores (and --lora-rank 0)
 """
 
 from __future__ import annotations
@@ -32,6 +38,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 SRC = str(HERE.parents[1] / "src")
+sys.path.insert(0, str(HERE.parent))
+import _results  # noqa: E402
+
+COMMANDS = ("python benchmarks/sharded.py", "python benchmarks/sharded.py --lora-rank 0",
+            "python benchmarks/sharded.py --ranks 1 --threads 2",
+            "python benchmarks/sharded.py --ranks 1 --threads 2 --lora-rank 0")
 
 
 def _rss_mib() -> float:
@@ -87,10 +99,20 @@ def measure(args: argparse.Namespace, ranks: int) -> dict:
                "OMP_NUM_THREADS": str(args.threads)}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
-            raise SystemExit(f"{ranks} rank(s) failed:\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"{ranks} rank(s) failed:\n{done.stderr[-4000:]}")
         per_rank = sorted((json.loads(line) for line in Path(report).read_text().splitlines()),
                           key=lambda r: r["rank"])
     return {"step_s": max(r["step_s"] for r in per_rank), "ranks": per_rank}
+
+
+def _measured(args: argparse.Namespace, ranks: int) -> dict:
+    """``measure``'s result, or ``{"error": ...}`` naming why the ranks failed (the row is recorded so)."""
+    from _common import child_error
+
+    try:
+        return measure(args, ranks)
+    except RuntimeError as exc:
+        return {"error": child_error(exc)}
 
 
 def _workload_flags(args: argparse.Namespace) -> list[str]:
@@ -99,16 +121,55 @@ def _workload_flags(args: argparse.Namespace) -> list[str]:
             str(args.max_new_tokens), "--micro-batch", str(args.micro_batch), "--threads", str(args.threads)]
 
 
-def table(results: dict[int, dict]) -> str:
-    lines = ["| ranks | s / step (median) | peak RSS per rank, timed steps (MiB) | peak RSS per rank, process life "
-             "(MiB) | of which libraries (MiB) |", "|---|---|---|---|---|"]
-    for n, result in results.items():
-        def each(key: str) -> str:
-            return "/".join(f"{r[key]:.0f}" for r in result["ranks"])
+def records(args: argparse.Namespace, results: dict[int, dict], run: str, versions: dict, command: str) -> list[dict]:
+    """One record per rank count of this invocation: the workload, the slowest rank's median step
+    and each rank's figures as ``measure`` gave them."""
+    workload = {"model": args.model, "lora_rank": args.lora_rank, "threads": args.threads, "steps": args.steps,
+                "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
+                "micro_batch": args.micro_batch, "dtype": "float32", "quick": args.quick, "command": command}
+    return [{"run": run, "ranks": n, **workload, "step_s": result.get("step_s"), "per_rank": result.get("ranks", []),
+             **({"error": result["error"]} if "error" in result else {}), **versions, **_results.stamp()}
+            for n, result in results.items()]
 
-        lines.append(f"| {n} | {result['step_s']:.2f} | {each('steps_peak_mib')} | {each('life_peak_mib')} | "
-                     f"{each('libraries_mib')} |")
-    return "\n".join(lines)
+
+def newest(rows: list[dict]) -> list[dict]:
+    """The newest full record of each (fine-tuning, ranks, threads): LoRA first, then by ranks, threads."""
+    kept: dict[tuple, dict] = {}
+    for r in sorted((r for r in rows if not r.get("quick")), key=lambda r: r["run"]):
+        kept[(r["lora_rank"], r["ranks"], r["threads"])] = r
+    return [kept[k] for k in sorted(kept, key=lambda k: (k[0] == 0, k[1], k[2]))]
+
+
+def table(rows: list[dict]) -> str:
+    """The scaling page's table from the records: the newest of each row (``newest``)."""
+    rows = newest(rows)
+    if not rows:
+        return ("No run of `benchmarks/sharded.py` is recorded yet: on an idle machine, "
+                + ", ".join(f"`{c}`" for c in COMMANDS)
+                + " record the rows and `python benchmarks/tables.py` builds this table.")
+    return render(rows)
+
+
+def render(rows: list[dict]) -> str:
+    """One line per record (fine-tuning, ranks x threads, each rank's memory), then the workload and
+    where, when and how the rows ran."""
+    lines = ["| fine-tuning | ranks x threads | s / step (median, slowest rank) | peak RSS per rank, timed steps (MiB) "
+             "| peak RSS per rank, process life (MiB) | of which libraries (MiB) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        def each(key: str) -> str:
+            return " / ".join(f"{rank[key]:.0f}" for rank in r["per_rank"])
+
+        kind = f"LoRA r{r['lora_rank']}" if r["lora_rank"] else "full"
+        if r.get("error"):
+            lines.append(f"| {kind} | {r['ranks']} x {r['threads']} | failed: {r['error']} | | | |")
+            continue
+        lines.append(f"| {kind} | {r['ranks']} x {r['threads']} | {r['step_s']:.2f} | {each('steps_peak_mib')} "
+                     f"| {each('life_peak_mib')} | {each('libraries_mib')} |")
+    first = rows[0]
+    stamps = "; ".join(sorted({f"{r['machine']}, {r['date']}, commit {r['commit']}, torch {r.get('torch')}" for r in rows}))
+    return ("\n".join(lines) + f"\n\nModel {first['model']}, {first['dtype']}, {first['prompts']} prompts x "
+            f"{first['group']} answers x {first['max_new_tokens']} tokens, median of steps 2-{first['steps']} after one "
+            f"warm-up step; {stamps}; " + ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in rows)) + ".")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -122,6 +183,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--ranks", default="1,2", help="comma-separated rank counts to run")
+    p.add_argument("--quick", action="store_true", help="the tiny model for 2 steps: a smoke run")
+    p.add_argument("--results", type=Path, default=None,
+                   help=f"write sharded.jsonl here (default {_results.RESULTS}; a --quick run only when given)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -133,15 +197,14 @@ def main(argv=None) -> None:
     if args.worker:
         worker(args)
         return
-    import torch
-
-    counts = [int(n) for n in args.ranks.split(",")]
-    results = {n: measure(args, n) for n in counts}
-    kind = "LoRA rank " + str(args.lora_rank) if args.lora_rank else "full fine-tuning"
-    print(f"GRPO step, model {args.model} ({kind}), float32 on CPU, {args.prompts} prompts x {args.group} answers, "
-          f"max {args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, {args.threads} torch thread(s) per "
-          f"rank, torch {torch.__version__}, {os.cpu_count()} CPU cores; steps 2..{args.steps}\n")
-    print(table(results))
+    if args.quick:
+        args.model, args.steps = "tiny", 2
+    run, destination = _results.run_id(), _results.destination(args.results, args.quick)
+    results = {n: _measured(args, n) for n in (int(n) for n in args.ranks.split(","))}
+    rows = records(args, results, run, _results.versions("torch"), _results.command(__file__, argv))
+    print(render(rows))
+    for row in rows if destination is not None else []:
+        _results.write("sharded", row, key=("run", "ranks"), root=destination)
 
 
 if __name__ == "__main__":

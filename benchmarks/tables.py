@@ -21,13 +21,15 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from _stats import interval  # noqa: E402
+import default_run_tables  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
 import performance_tables  # noqa: E402
+import sharded  # noqa: E402
 import tool_tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BAND = 0.25  # a step is in band when its KL lies within +-25 % of the target
+BAND = default_run_tables.BAND  # a step is in band when its KL lies within +-25 % of the target
 GOAL_IN_BAND, GOAL_PEAK = 0.8, 1.5
 WARM = 4  # steps 1-4 are the warm-up: scored are steps 5 on
 
@@ -192,25 +194,6 @@ def _newest(records: list[dict[str, Any]], push: bool | None = None) -> list[dic
     return [newest[k] for k in sorted(newest)]
 
 
-def default_run_push(records: list[dict[str, Any]]) -> str:
-    """The default run with and without the push, seed by seed."""
-    on, off = {r["seed"]: r for r in _newest(records, True)}, {r["seed"]: r for r in _newest(records, False)}
-    seeds = sorted(set(on) & set(off))
-    if not seeds:
-        return "No seed recorded both with and without the push yet."
-    rows = ["| seed | push | held-out accuracy after | held-out KL, sampled / greedy | kept KL, last 3 steps "
-            "| steps 3-16 in band | kept scale > 1 | rejected | seconds in steps |", "|---|---|---|---|---|---|---|---|---|"]
-    for seed in seeds:
-        for push, r in (("on", on[seed]), ("off", off[seed])):
-            s, steps = r["summary"], r["steps"]
-            in_band = sum(abs(x["kl_exact_per_seq"] / r["config"]["kl_target"] - 1) <= BAND for x in steps[2:])
-            rows.append(f"| {seed} | {push} | {100 * s['accuracy_after']:.1f} % | {s['eval_kl_sampled_per_seq']:.2f} / "
-                        f"{s['eval_kl_per_seq']:.2f} | {statistics.fmean(x['kl_kept_per_seq'] for x in steps[-3:]):.2f} "
-                        f"| {in_band} of {len(steps[2:])} | {sum(x['kl_move_scale'] > 1 for x in steps)} "
-                        f"| {s.get('steps_rejected', 0)} | {s['seconds_in_steps']:.0f} |")
-    return "\n".join(rows)
-
-
 def default_run_heldout(records: list[dict[str, Any]]) -> str:
     """The default run, each recorded seed a column: held-out results and the leash's counts."""
     runs = _newest(records)
@@ -229,8 +212,7 @@ def default_run_heldout(records: list[dict[str, Any]]) -> str:
     line("kept weights' KL per answer, last 3 steps (target 3)",
          lambda r: f"{statistics.fmean(s['kl_kept_per_seq'] for s in r['steps'][-3:]):.2f}")
     line("steps 3-16 whose batch read within ±25 % of the target",
-         lambda r: f"{sum(abs(s['kl_exact_per_seq'] / r['config']['kl_target'] - 1) <= BAND for s in r['steps'][2:])} of "
-                   f"{len(r['steps'][2:])}")
+         default_run_tables.steps_in_band)
     line("kept weights over `kl_bound` / rejected updates",
          lambda r: f"{r['summary']['steps_over_kl_bound']} / {r['summary'].get('steps_rejected', 0)}")
     line("leash readings: count, share of the step time",
@@ -300,13 +282,14 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "default-run": ("docs/getting-started.md", lambda: default_run_heldout(_results.read("default_run"))),
     "home-default-run": ("docs/index.md", lambda: default_run_heldout(_results.read("default_run"))),
     "default-run-steps": ("docs/getting-started.md", lambda: default_run_steps(_results.read("default_run"))),
-    "default-run-push": ("docs/leash.md", lambda: default_run_push(_results.read("default_run"))),
     "leash-grid-push": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), True)),
     "leash-grid-nopush": ("docs/leash.md", lambda: leash_grid(_results.read("leash"), False)),
     "leash-push-pairs": ("docs/leash.md", lambda: push_comparison(_results.read("leash"))),
     "leash-lrfollow-pairs": ("docs/leash.md", lambda: lrfollow_comparison(_results.read("leash_lrfollow"),
                                                                          _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
+    "sharded": ("docs/scaling.md", lambda: sharded.table(_results.read("sharded"))),
+    **default_run_tables.TABLES,
     **frontier_tables.TABLES,
     **tool_tables.TABLES,
     **performance_tables.TABLES,
