@@ -221,11 +221,23 @@ def selected(only: str) -> list[str]:
     return chosen
 
 
+def seed_list(text: str) -> list[int]:
+    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``: seeds and inclusive ranges, in the order given."""
+    seeds = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        if not (low.isdigit() and (high.isdigit() or not high)) or (high and int(high) < int(low)):
+            raise ValueError(f"--seeds: expected seeds and ranges like 0,2,5-7, got {text!r} (part {part!r}); "
+                             "give whole numbers, a range low-high with low <= high.")
+        seeds += list(range(int(low), int(high or low) + 1))
+    return seeds
+
+
 def plan(args: argparse.Namespace, mode: Mode, root: Path | None) -> list[tuple[str, int]]:
     """The (point, seed) jobs still missing a record in this mode, seed-major: each call spreads over points."""
     done = {(r["point"], r["seed"]) for r in _results.read(RESULTS_NAME, root) if r.get("mode") == mode.name}
     todo = []
-    for seed in map(int, (args.seeds or mode.seeds).split(",")):
+    for seed in seed_list(args.seeds or mode.seeds):
         for point in selected(args.only):
             if GRID[point] is None:
                 continue
@@ -282,7 +294,7 @@ def _line(r: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(GRID), help="comma-separated points or prefixes (constant, budget-t2)")
-    parser.add_argument("--seeds", default="", help="comma-separated seeds (default: the mode's, 0-7 in full)")
+    parser.add_argument("--seeds", default="", help="seeds and ranges, e.g. 0,2,8-31 (default: the mode's, 0-7 in full)")
     parser.add_argument("--reduced", action="store_true", help="the CPU version: 3 seeds, 150 problems, labelled")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 2 steps: a check that it works")
     parser.add_argument("--threads", type=int, default=1)
@@ -294,7 +306,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start no run that the longest so far says would end after this many seconds (0: no limit)")
     parser.add_argument("--out", default="runs/frontier", help="the run directories (one per point and seed)")
     parser.add_argument("--results", default="", help="folder of frontier.jsonl (default: benchmarks/results)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        seed_list(args.seeds or "0")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 if __name__ == "__main__":

@@ -438,6 +438,8 @@ def stage_frontier(check: Check, timeout_s: float) -> dict:
     else:  # the last run may start up to budget - longest run: a minute of margin for the rest
         size = ["--device", "cuda", "--dtype", "bfloat16", "--threads", "1", "--jobs", str(check.args.frontier_jobs),
                 "--budget-seconds", str(int(timeout_s - 60))]
+        size += ["--only", check.args.frontier_only] if check.args.frontier_only else []
+        size += ["--seeds", check.args.frontier_seeds] if check.args.frontier_seeds else []
     output = check.sh("frontier", check.python(str(HERE / "frontier.py"), *size, "--out", str(check.work / "frontier"),
                                                "--results", str(results)), timeout_s)
     left = [line for line in output.splitlines() if "jobs left for a later call" in line]
@@ -677,6 +679,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--estimator-seeds", default="0,1", help="bench-estimators' seeds (estimators.py --seeds)")
     p.add_argument("--estimator-jobs", type=int, default=8, help="bench-estimators' runs at once on the GPU")
     p.add_argument("--frontier-jobs", type=int, default=16, help="the frontier stage's runs sharing the GPU")
+    p.add_argument("--frontier-only", default="", help="the frontier stage's points (frontier.py --only; default: all)")
+    p.add_argument("--frontier-seeds", default="", help="the frontier stage's seeds (frontier.py --seeds; default: 0-7)")
     p.add_argument("--timeout-install", type=float, default=120.0, help="seconds for each pip command")
     p.add_argument("--split-wheel", metavar="WHEEL", help="cut WHEEL into parts in --into, then exit")
     p.add_argument("--into", default=str(ROOT / "wheels" / "model"))

@@ -80,3 +80,13 @@ def test_every_point_s_config_validates_and_a_name_picks_its_point_alone():
     assert frontier.selected("budget-push") == [f"budget-push-t{t}" for t in (1, 2, 3, 4)]
     with pytest.raises(SystemExit, match="--only: 'beta' names no point"):
         frontier.selected("beta")
+
+
+def test_seeds_take_ranges_and_a_malformed_list_is_refused_naming_the_flag(capsys):
+    """``0,2,5-7`` is seeds 0, 2, 5, 6, 7 (a range includes both ends); a reversed range, a word or
+    an empty part stop the call at parsing, naming --seeds and the part."""
+    assert frontier.seed_list("0,2,5-7") == [0, 2, 5, 6, 7] and frontier.seed_list("8-8") == [8]
+    for bad, part in (("3-1", "3-1"), ("0,x", "x"), ("0,,1", "")):
+        with pytest.raises(SystemExit):
+            frontier.parse_args(["--seeds", bad])
+        assert f"--seeds: expected seeds and ranges like 0,2,5-7, got {bad!r} (part {part!r})" in capsys.readouterr().err
