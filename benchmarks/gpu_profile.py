@@ -42,10 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def stage_seconds(run, recipe, step: int, sync, rollout=None) -> dict[str, float]:
-    """One ``train_step`` with each stage timed by ``e2e_grpo.PhaseClock`` (the device
+    """One ``train_step`` with each stage timed by ``step_clock.PhaseClock`` (the device
     synchronised around each, each a profiler range); ``rollout``: the step's answers (default: sampled)."""
     import torch
-    from e2e_grpo import PhaseClock
+    from step_clock import PhaseClock
 
     clock, originals = PhaseClock(), {name: getattr(recipe, name) for name in STAGES}
 
