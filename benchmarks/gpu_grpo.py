@@ -1,23 +1,16 @@
 """One GRPO optimizer step on a GPU: tether's ``train_step`` against TRL's ``GRPOTrainer``, bf16.
 
-The workload, its equalisation and the timing are ``e2e_grpo.py``'s (read its docstring): the
-``arithmetic`` task, the same problems, group size, completion limit (answers forced to the
-limit), optimizer and loss settings, LoRA and full fine-tuning rows, each variant in a fresh
-process, warm-up steps then the median of K. Both run in bfloat16 (tether ``dtype=bfloat16``:
-SDPA, float32 vocabulary reductions; TRL ``bf16=True``, ``use_vllm=False``). ``--model``: the
-embedded SmolLM2-135M-Instruct, or a Llama-shaped random model (``random_llama.py``: ``llama-1b``
-where a GPU is busy, ``llama-3b``, ``llama-8b``, ``llama-tiny`` for CPU smoke runs with ``--device
-cpu``; ``largest_model.py`` climbs these sizes). Per variant: median step wall time (the GPU synchronised), tokens/s per GPU as NeMo-RL counts it (all prompt +
-completion tokens of the step / step time / GPUs, here one), the share of the step spent
-generating, and the peak GPU memory of a timed step (``torch.cuda.max_memory_allocated``).
-Targets (issue 28): tether tokens/s >= 1.5x TRL's, peak GPU memory <= 0.7x. ``--json PATH``
-writes the figures after each variant; ``--record FILE`` appends one row a tool and mode with the
-keys of SPEC section 13 (``benchmarks/results/gpu_grpo.jsonl``'s: run, model, mode, tool,
-tokens_per_s, peak_gpu_memory_bytes, device, date, per-phase seconds and peak GPU memory) and
-``bench: step`` (``largest_model.py``'s rows say ``largest-model``).
-
-docs/gpu.md's tables are built from those rows (``benchmarks/tables.py``); figures of earlier
-sessions that have no rows are in docs/history/gpu-runs.md.
+The workload, its equalisation and the timing are ``e2e_grpo.py``'s, both tools in bfloat16
+(tether ``dtype=bfloat16``, TRL ``bf16=True``, no vLLM). ``--model``: the embedded
+SmolLM2-135M-Instruct, or a Llama-shaped random model (``random_llama.py``: ``llama-1b``,
+``llama-3b``, ``llama-8b``, ``llama-tiny`` for CPU smoke runs with ``--device cpu``). Per variant:
+median step wall time, tokens/s per GPU as NeMo-RL counts it, the share of the step spent
+generating, and the peak GPU memory of a timed step. Targets (issue 28): tether tokens/s >= 1.5x
+TRL's, peak GPU memory <= 0.7x. ``--json PATH`` writes the figures after each variant; ``--record
+FILE`` appends one row a tool and mode (``benchmarks/results/gpu_grpo.jsonl``'s keys, SPEC
+section 13, with ``bench: step``). How each figure is taken: docs/gpu.md, "How it is measured";
+its tables are built from those rows (``benchmarks/tables.py``), and figures of earlier sessions
+that have no rows are in docs/history/gpu-runs.md.
 
     .venv-bench/bin/python benchmarks/gpu_grpo.py                          # both tools, both modes
     .venv-bench/bin/python benchmarks/gpu_grpo.py --model llama-1b --steps 2

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402
+import gpu_stages  # noqa: E402
 import gpu_wheels  # noqa: E402
 import random_llama  # noqa: E402
 from _cuda_tests import marked_files, needs_gpu  # noqa: E402
@@ -71,7 +72,7 @@ def test_dry_run_parity_nccl_and_train_ran_on_the_cpu(dry_run):
     f = parity["figures"]
     assert f["tokens_scored"] > 100 and f["kl_per_token_float64"] > 0
     assert all(_finite(v) for v in f["bf16_vs_float64"].values())
-    assert f["within_tolerance"] is True and f["tolerance"] == gpu_check.PARITY_TOLERANCE
+    assert f["within_tolerance"] is True and f["tolerance"] == gpu_stages.PARITY_TOLERANCE
     assert f["bf16_vs_float64"]["logprob_max_abs"] > 0  # bf16 rounding shows: the comparison is not vacuous
 
     nccl = stages["nccl"]["figures"]
@@ -208,7 +209,7 @@ def test_the_estimator_stage_records_each_finished_run_in_out(tmp_path, monkeypa
         return real_sh(tag, [*swapped, "--quick", "--variants", "k3-loss"], timeout_s, **env)
 
     monkeypatch.setattr(check, "sh", on_the_cpu)
-    figures = gpu_check.stage_bench_estimators(check, 200)
+    figures = gpu_stages.stage_bench_estimators(check, 200)
     assert figures["runs"] == 1 and figures["variants"] == ["k3-loss"]
     record = json.loads((tmp_path / "out" / "results" / "estimators.jsonl").read_text())
     assert record["seed"] == 5 and record["config"]["kl_correction"] == "none"
