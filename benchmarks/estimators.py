@@ -2,10 +2,9 @@
 
 Each variant is a default ``tether train`` run (the embedded model, the arithmetic task) with only
 the leash's form changed, at a constant beta (``--beta``) so the estimator, not a controller, sets
-the KL; two rows hold the default budget leash instead. The variants and their ``TrainConfig`` keys:
+the KL; two rows hold the default budget leash instead (the grid, read: docs/objectives.md):
 
-    k1-reward        kl_mode=reward kl_estimator=k1        k1 in the reward, reward-to-go, added after
-                                                           the group normalisation (recipe.add_advantages)
+    k1-reward        kl_mode=reward kl_estimator=k1        k1 in the reward (reward-to-go), after the group norm (recipe.add_advantages)
     k3-loss          kl_estimator=k3 kl_correction=none    the raw k3 as a loss (GRPO paper, TorchRL)
     k3-ratio         kl_estimator=k3 kl_correction=importance   w k3 with w = pi / pi_sampler in the graph
     k2-ratio         kl_estimator=k2 kl_correction=importance   sg(w) k2: its gradient w k1 grad log pi is

@@ -1,29 +1,16 @@
 """GRPOLoss forward+backward on the embedded SmolLM2-135M-Instruct: tether against TorchRL.
 
-The batch: 16 chats, 4 arithmetic prompts x 4 answers of seeded random lengths (each chat
-carries an explicit system message, so TorchRL's ChatML template and the model's own one
-render the same tokens), advantages per prompt group (``MCAdvantage.compute``), sampling
-log-probs slightly off the current policy and reference log-probs about 0.05 nats away on
-the response tokens. Every variant runs in a fresh interpreter (``_common``) and times a
-full ``forward + backward`` (gradients to all weights, then dropped), in wall and process
-CPU seconds (on a shared machine the CPU seconds move less). Memory: the step footprint is
-the peak resident set of the timed calls over the one at the end of setup (model loaded,
-batch built); ``_common``'s growth over the post-warm-up state is shown beside it (it leaves
-out what the allocator kept from the warm-up call).
-
-Variants:
-
-- ``tether``: ``tether.objectives.GRPOLoss`` (one scoring pass, padding-free, no
-  ``[B, T, V]`` logits), KL to the reference and entropy bonus on;
-- ``tether x4``: the same loss over 4 micro-batches of 4 rows with the full batch's
-  denominator (``forward(td, denominator=...)``): the same gradient, a quarter of the
-  activations alive at a time;
-- ``torchrl``: ``torchrl.objectives.llm.GRPOLoss`` with ``kl_to_ref_coeff`` set and its
-  entropy bonus on (only when torchrl imports; run with ``.venv-bench/bin/python``).
-
-Targets for tether: at most 0.5x TorchRL's time and 0.35x its step footprint. A full run
-records one row a variant in ``benchmarks/results/grpo_loss.jsonl`` (``--results DIR`` elsewhere;
-a ``--quick`` run records only there); ``table`` builds docs/performance.md's ``grpo-loss`` from them.
+Times a full ``forward + backward`` of each variant on one batch of 16 chats (4 arithmetic
+prompts x 4 answers), each variant in a fresh interpreter (``_common``): wall and process-CPU
+seconds, and the step footprint (the peak resident set of the timed calls over the one at the
+end of setup) beside ``_common``'s growth over the post-warm-up state. Variants: ``tether``
+(``tether.objectives.GRPOLoss``, KL to the reference and entropy bonus on), ``tether x4`` (the
+same loss over 4 micro-batches with the full batch's denominator) and ``torchrl``
+(``torchrl.objectives.llm.GRPOLoss``, only where torchrl imports: ``.venv-bench``). How the
+batch is built and what each variant runs: docs/performance.md, "How it is measured". Targets
+for tether: at most 0.5x TorchRL's time and 0.35x its step footprint. A full run records one row
+a variant in ``benchmarks/results/grpo_loss.jsonl`` (``--results DIR`` elsewhere; a ``--quick``
+run records only there); ``table`` builds docs/performance.md's ``grpo-loss`` from them.
 
     .venv-bench/bin/python benchmarks/grpo.py            # full table (several minutes), recorded
     .venv-bench/bin/python benchmarks/grpo.py --quick    # short answers, one timed run

@@ -1,37 +1,15 @@
 """Every public scoring entry point of tether against TorchRL, on real chats and the embedded model.
 
-Workload: 16 chats (seeded: random user/assistant text, one to three assistant turns, each
-chat 95-240 tokens when rendered, all opening with a system message so that TorchRL's
-substituted ChatML template and the shipped one give the same tokens), scored by
-SmolLM2-135M-Instruct (float32, CPU). Each row times one entry point, with its input either
-chats only (``chat_batch``: rendered and tokenised inside the call) or tokens already in the
-batch (as a sampler leaves it: tokens, masks, sampling log-probs), against the TorchRL class
-doing the same job on the same chats:
-
-- policy + reference (``RetrieveKL`` with two scoring wrappers, the reference a
-  ``frozen_copy``) against TorchRL's ``RetrieveKL``;
-- reference only (``RetrieveLogProb``; ``RetrieveKL(gen_model=None)`` and
-  ``KLRewardTransform``, which read the policy's log-probs from the batch; the Ray
-  ``ReferenceService``'s actor body, in process: packing, one ``score`` call, unpacking,
-  Ray's transport not included) against TorchRL's ``RetrieveLogProb``;
-- the KL job when the sampler's log-probs are in the batch (``RetrieveKL(gen_model=None)``
-  again, row ``reuse-kl``) against TorchRL's ``RetrieveKL``, which scores the policy again.
-
-TorchRL runs under ``torch.no_grad()`` with its own ``TransformersWrapper`` (history input,
-``pad_output=True``); it re-renders the chats whatever the batch holds, so its two jobs are
-timed once per round from chats. Both sides skip the reward where they can
-(``add_to_reward=False``); ``KLRewardTransform`` charges a ``[B, 1]`` reward.
-
-Every measurement is a fresh process (median of ``--repeats`` calls after a warm-up; peak
-resident-set growth over the state after the warm-up). A round measures TorchRL's job, then
-each tether entry point doing that job, alternating; the ratios of a round use that round's
-TorchRL figure, and the table shows the median over ``--rounds`` rounds of wall-clock and
-process-CPU time ratios (CPU time is disturbed far less by other jobs on a shared machine).
-The service row needs Ray, which the bench environment may lack: ``--ray-python`` names an
-interpreter that has it (default: this one when it imports ``ray``, else the row is skipped).
-A full run records one row of the table a line in ``benchmarks/results/scoring.jsonl`` (each
-round's figures and ratios, their medians; ``--results DIR`` elsewhere, a ``--quick`` run
-records only there); ``scoring_tables.py`` builds docs/performance.md's table from them.
+Times each tether entry point (policy + reference, reference only, the Ray ``ReferenceService``'s
+actor body in process, and the KL job reusing the sampler's log-probs) against the TorchRL class
+doing the same job (``RetrieveKL``, ``RetrieveLogProb``) on 16 seeded chats of 95-240 tokens
+scored by SmolLM2-135M-Instruct (float32, CPU): wall and process-CPU time and peak resident-set
+growth, each measurement a fresh process, the ratios paired within a round, the median over
+``--rounds``. The rows, what each side runs and how a round pairs them: docs/performance.md,
+"How it is measured". ``--ray-python`` names an interpreter that has Ray for the service row
+(default: this one when it imports ``ray``, else the row is skipped). A full run records one row
+of the table a line in ``benchmarks/results/scoring.jsonl`` (``--results DIR`` elsewhere, a
+``--quick`` run records only there); ``scoring_tables.py`` builds docs/performance.md's table.
 
     .venv-bench/bin/python benchmarks/scoring.py            # both libraries, 2 threads, 2 rounds
     .venv-bench/bin/python benchmarks/scoring.py --quick    # 4 chats, one round, one timed call

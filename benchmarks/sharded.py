@@ -6,14 +6,8 @@ warm-up step, then the timed ones. Each rank reports the median wall time of its
 (the row shows the slowest rank's), its resident-set high-water mark over the timed steps
 (``VmHWM``, restarted after the warm-up through ``/proc/self/clear_refs``) and over its life
 (``resource.getrusage``: model loading included), and its RSS right after importing torch and
-tether (the libraries' share, the same in every process).
-
-On a machine with fewer cores than ranks x threads, 2 ranks cannot be faster than 1: they
-split the same cores and add the gathers and reduce-scatters. What sharding buys on CPU is
-memory per rank: each rank holds half the trainable weights, gradients and optimizer state,
-and half the batch's activations. The rollout, reference and KL passes gather the whole
-weights (``tether.train.sharding``), so a rank's peak still includes one full copy of the
-weights during them.
+tether (the libraries' share, the same in every process). Why 2 ranks cannot beat 1 on a CPU
+and what sharding buys there: docs/scaling.md, "A sharded learner (FSDP2)".
 
 A run writes one record per rank count to ``benchmarks/results/sharded.jsonl`` (``--results DIR``
 elsewhere; a ``--quick`` run, the tiny model for 2 steps, only when given); ``table`` builds the
