@@ -24,6 +24,7 @@ from _stats import interval  # noqa: E402
 import default_run_tables  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
+import leash_diagnosis_tables  # noqa: E402
 import performance_tables  # noqa: E402
 import sharded  # noqa: E402
 import tool_tables  # noqa: E402
@@ -240,44 +241,8 @@ def default_run_steps(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def leash_noise(records: list[dict[str, Any]]) -> str:
-    """Fixed weights, fresh batches: the spread of a batch's KL and the in-band ceiling it sets, at
-    the run's batch size and at 2 and 4 times it (``leash_noise.py``'s pooled batches)."""
-    from leash_noise import ceilings, pooled
-
-    if not records:
-        return "No run measured yet (`python benchmarks/leash_noise.py RUN --pools 1,2,4 --record`)."
-    lines = ["| run (final weights) | batches of 24 | answers a batch | sd of log KL | in band, landed on one batch |",
-             "|---|---|---|---|---|"]
-    for r in records:
-        for k in (1, 2, 4):
-            c = ceilings(pooled(r["batch_kls"], k))
-            lines.append(f"| {r['run']} | {len(r['batch_kls'])} | {k * r['answers']} | {c['sd_log']:.2f} "
-                         f"| {c['aimed_at_one_batch']:.0%} |")
-    stamps = sorted({(r["machine"], r["commit"], r["date"]) for r in records})
-    return "\n".join(lines) + "\n\n" + "; ".join(f"{m}, commit {c}, {d}" for m, c, d in stamps) + "."
-
-
-def leash_reading(records: list[dict[str, Any]]) -> str:
-    """Where a miss comes from, per diagnosed run: the sd over steps 5-16 of each log ratio."""
-    from leash_reading import spreads
-
-    if not records:
-        return "No run diagnosed yet (`python benchmarks/leash_reading.py`)."
-    lines = ["| setting | seed | the miss: own answers, new prompts / kept reading | off-policy reading: own answers, "
-             "same prompts / kept reading | new prompts and draws | importance-weighted reading's error |",
-             "|---|---|---|---|---|---|"]
-    for r in records:
-        sd = spreads(r)
-        lines.append(f"| {r['setting']} | {r['seed']} | {sd['miss']:.2f} | {sd['off_policy']:.2f} "
-                     f"| {sd['new_prompts']:.2f} | {sd['importance_weighted']:.2f} |")
-    stamps = sorted({(r["machine"], r["commit"], r["date"]) for r in records})
-    return "\n".join(lines) + "\n\n" + "; ".join(f"{m}, commit {c}, {d}" for m, c, d in stamps) + "."
-
-
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
-    "leash-noise": ("docs/leash.md", lambda: leash_noise(_results.read("leash_noise"))),
-    "leash-reading": ("docs/leash.md", lambda: leash_reading(_results.read("leash_reading"))),
+    **leash_diagnosis_tables.TABLES,
     "leash-toy": ("docs/leash.md", lambda: leash_toy(_results.read("leash_toy"))),
     "default-run": ("docs/getting-started.md", lambda: default_run_heldout(_results.read("default_run"))),
     "home-default-run": ("docs/index.md", lambda: default_run_heldout(_results.read("default_run"))),
