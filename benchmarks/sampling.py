@@ -128,9 +128,8 @@ def _quiet_llama(llama_cpp) -> None:
     llama_cpp.llama_log_set(_LOG_SINK, ctypes.c_void_p())
 
 
-def _llama_engine(ftype, gguf_source, prompts, group, new_tokens, temperature, threads, seed):
-    import llama_cpp as L
-
+def _llama_model(L, ftype, gguf_source):
+    """The GGUF of ``ftype`` loaded by llama.cpp (its backend started, its log silenced)."""
     _quiet_llama(L)
     path = llama_gguf(ftype, gguf_source)
     L.llama_backend_init()
@@ -141,16 +140,29 @@ def _llama_engine(ftype, gguf_source, prompts, group, new_tokens, temperature, t
     model = L.llama_model_load_from_file(str(path).encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
-    rows, prefill = len(prompts) * group, sum(len(p) for p in prompts)
+    return model
+
+
+def _llama_context(L, model, rows: int, prefill: int, n_ctx: int, threads: int):
+    """A context of ``rows`` sequences, each with its own KV stream, batches up to the prefill."""
     params = L.llama_context_default_params()
     params.n_seq_max = rows
     params.kv_unified = False  # a KV stream per sequence: each attends to its own tokens only
-    params.n_ctx = rows * (max(len(p) for p in prompts) + new_tokens + 1)
+    params.n_ctx = n_ctx
     params.n_batch = params.n_ubatch = max(prefill, rows)
     params.n_threads = params.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, params)
     if not ctx:
         raise RuntimeError(f"llama.cpp could not create a context for {rows} sequences")
+    return ctx
+
+
+def _llama_engine(ftype, gguf_source, prompts, group, new_tokens, temperature, threads, seed):
+    import llama_cpp as L
+
+    model = _llama_model(L, ftype, gguf_source)
+    rows, prefill = len(prompts) * group, sum(len(p) for p in prompts)
+    ctx = _llama_context(L, model, rows, prefill, rows * (max(len(p) for p in prompts) + new_tokens + 1), threads)
     memory = L.llama_get_memory(ctx)
     batch = L.llama_batch_init(max(prefill, rows), 0, 1)
     samplers = []
