@@ -1,13 +1,19 @@
-"""Every module under src/tether opens with a docstring of at most 20 lines.
+"""Every module under src/tether, and every script under benchmarks/, opens with a docstring of at
+most 20 lines.
 
 A module docstring says what the module is and, for an algorithm, how it departs from the
 paper and why; rationale, tuning history and measurements belong to the docs pages
-(docs/design.md, docs/leash.md), where they can be long.
+(docs/design.md, docs/leash.md), where they can be long. A benchmark's docstring says what it
+measures and how to run it; how it is measured (what is timed, what is the same for both tools,
+where they still differ) is read beside its results, on the page its tables are on (for
+example docs/performance.md, docs/gpu.md), so the docstring and the page cannot drift apart.
 """
 
 from __future__ import annotations
 
 import ast
+
+import pytest
 
 from tests.docs.blocks import ROOT
 
@@ -19,9 +25,15 @@ def _docstring_lines(path) -> int | None:
     return None if doc is None else len(doc.splitlines())
 
 
-def test_module_docstrings_are_short():
+# tether's package modules, and the benchmark scripts (one folder, no packages).
+TREES = {"src/tether": lambda: sorted((ROOT / "src" / "tether").rglob("*.py")),
+         "benchmarks": lambda: sorted((ROOT / "benchmarks").glob("*.py"))}
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_module_docstrings_are_short(tree):
     long = {}
-    for path in sorted((ROOT / "src" / "tether").rglob("*.py")):
+    for path in TREES[tree]():
         lines = _docstring_lines(path)
         if lines is not None and lines > MAX_LINES:
             long[str(path.relative_to(ROOT))] = lines
