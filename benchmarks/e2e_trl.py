@@ -24,6 +24,7 @@ from _common import cap_memory  # noqa: E402
 from e2e_grpo import step_problems, train_config  # noqa: E402  (also sets the offline flags)
 from step_clock import PhaseClock, append_step, memory_peaks  # noqa: E402
 
+
 class _StopTraining(Exception):
     """Raised in the trainer thread to end ``train()`` at interpreter exit."""
 
