@@ -21,3 +21,13 @@ def interval(values: list[float]) -> tuple[float, float, float]:
         return mean, math.nan, math.nan
     half = t95(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
     return mean, mean - half, mean + half
+
+
+def prediction(values: list[float]) -> tuple[float, float, float]:
+    """Mean and the 95 % t range where one more draw from the same spread falls: ``mean -+ t sd
+    sqrt(1 + 1 / n)`` (NaN bounds from one value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = t95(len(values)) * statistics.stdev(values) * math.sqrt(1 + 1 / len(values))
+    return mean, mean - half, mean + half

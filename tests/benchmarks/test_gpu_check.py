@@ -391,3 +391,25 @@ def test_a_tiny_random_llama_matches_its_parameter_count_and_reloads(tmp_path):
     assert random_llama.build_random_llama("tiny", tmp_path / "m", tokenizer=tok, dtype="float32") == path  # reused
     with pytest.raises(FileExistsError, match="not empty"):
         random_llama.build_random_llama("tiny", tmp_path / "m", tokenizer=tok, dtype="bfloat16")
+
+
+def test_the_train_stage_s_gain_is_held_to_the_range_of_the_recorded_cpu_runs(tmp_path):
+    """The default config's CPU runs, push off: a `make train` record gaining 18 -> 59 % (41
+    points) and frontier budget-t3 runs gaining 41 and 47; a push-on run, another task's run and
+    another point are left out. Gains 41, 41, 47: mean 43, sd sqrt(12) = 3.4641, t(2) = 4.303, one
+    more run falls in 43 -+ 4.303 * 3.4641 * sqrt(4 / 3) = 43 -+ 17.212: 25.788 to 60.212."""
+    config = dict(gpu_stages.DEFAULT_CONFIG)
+    default_runs = [{"config": config, "summary": {"accuracy_before": 0.18, "accuracy_after": 0.59}},
+                    {"config": {**config, "kl_push": True}, "summary": {"accuracy_before": 0.18, "accuracy_after": 0.99}},
+                    {"config": {**config, "task": "tools"}, "summary": {"accuracy_before": 0.18, "accuracy_after": 0.99}}]
+    frontier_runs = [{"point": "budget-t3", "mode": "reduced", "accuracy_before": 0.18, "heldout_accuracy": h}
+                     for h in (0.59, 0.65)] + [{"point": "budget-t1", "mode": "reduced", "accuracy_before": 0.18,
+                                                "heldout_accuracy": 0.99}]
+    for name, rows in (("default_run", default_runs), ("frontier", frontier_runs)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gains = gpu_stages.cpu_gains(tmp_path)
+    assert gains == pytest.approx([41.0, 41.0, 47.0], abs=1e-12)
+    goal = gpu_stages.gain_goal(60.0, gains)
+    assert goal["cpu_runs"] == 3 and goal["cpu_gain_points"] == pytest.approx(43.0, abs=1e-12)
+    assert goal["cpu_gain_range"] == pytest.approx([25.788, 60.212], abs=1e-9) and goal["gain_met"] is True
+    assert gpu_stages.gain_goal(61.0, gains)["gain_met"] is False and gpu_stages.gain_goal(None, gains)["gain_met"] is False
