@@ -7,7 +7,8 @@ variant, and the same two drawn again from the 48-step ``long-`` points for the 
 joined by straight lines, its end segments extended beyond them; a run's residual is its accuracy
 less the curve at its own KL, and a point's residual is the mean and t interval of its runs'.
 The interval is over seeds only: the curve's own noise is not in it. Records of ``--quick``
-runs are never shown; ``--reduced`` ones get their own, labelled table.
+runs are never shown; ``--reduced`` ones get their own, labelled table. The power table pools
+the variants' residual spread over seeds and says how many seeds a 2-point residual needs.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
                                                               if mode == _plotted_mode(_results.read("frontier")) else "")
 
 
-# Seeds a point whose residual's interval is shown: the full grid's, and what the page asks of it.
+# The seed counts whose interval widths the power table shows (3: the reduced mode's, 8: the full grid's).
 POWER_SEEDS = (3, 8, 16, 32)
 POWER_GOAL = 2.0  # points: the half-width under which a 2-point residual's interval clears 0
 
