@@ -14,20 +14,20 @@ def t95(n: int) -> float:
     return table[min(n, 31) - 2]
 
 
-def interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and its 95 % t interval (NaN bounds from one value)."""
+def _t_range(values: list[float], width: float) -> tuple[float, float, float]:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, math.nan, math.nan
-    half = t95(len(values)) * statistics.stdev(values) / math.sqrt(len(values))
+    half = t95(len(values)) * statistics.stdev(values) * width
     return mean, mean - half, mean + half
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and its 95 % t interval (NaN bounds from one value)."""
+    return _t_range(values, 1 / math.sqrt(len(values)))
 
 
 def prediction(values: list[float]) -> tuple[float, float, float]:
     """Mean and the 95 % t range where one more draw from the same spread falls: ``mean -+ t sd
     sqrt(1 + 1 / n)`` (NaN bounds from one value)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.nan, math.nan
-    half = t95(len(values)) * statistics.stdev(values) * math.sqrt(1 + 1 / len(values))
-    return mean, mean - half, mean + half
+    return _t_range(values, math.sqrt(1 + 1 / len(values)))

