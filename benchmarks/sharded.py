@@ -1,9 +1,10 @@
 """The sharded learner on CPU: time per step and peak memory per rank, 1 rank against 2.
 
 Each row runs ``tether.train.recipe.train_step`` on ``build_run`` under ``torch.distributed.run``
-with N processes (gloo, FSDP2; N = 1 is the plain one-process path) on a fixed workload: one
-warm-up step, then the timed ones. Each rank reports the median wall time of its timed steps
-(the row shows the slowest rank's), its resident-set high-water mark over the timed steps
+with N processes (gloo, FSDP2; N = 1 is the plain one-process path) on a fixed workload, with the
+rollout ``tether train --nproc N`` steps with (``recipe_sharded.rank_rollout``): one warm-up step,
+then the timed ones. Each rank reports the median wall time of its timed steps (the row shows the
+slowest rank's) and the mean seconds of its stages, its resident-set high-water mark over the timed steps
 (``VmHWM``, restarted after the warm-up through ``/proc/self/clear_refs``) and over its life
 (``resource.getrusage``: model loading included), and its RSS right after importing torch and
 tether (the libraries' share, the same in every process). Why 2 ranks cannot beat 1 on a CPU
@@ -35,6 +36,10 @@ SRC = str(HERE.parents[1] / "src")
 sys.path.insert(0, str(HERE.parent))
 import _results  # noqa: E402
 
+# Timed apart in each rank's step: sampling, the reference pass, the loss pass with the optimizer step,
+# the budget's readings of the kept weights, and the rollout (on 2+ ranks: gathering the weights, the
+# sampling and the reference pass; on one, the sampling alone).
+STAGES = ("rollout", "sample", "add_reference", "optimize", "hold_kl_budget")
 COMMANDS = ("python benchmarks/sharded.py", "python benchmarks/sharded.py --lora-rank 0",
             "python benchmarks/sharded.py --ranks 1 --threads 2",
             "python benchmarks/sharded.py --ranks 1 --threads 2 --lora-rank 0")
@@ -56,26 +61,32 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch  # noqa: F401  (the libraries' RSS is read before the model exists)
 
+    from step_clock import PhaseClock
+    from tether.train import recipe
     from tether.train.config import TrainConfig
-    from tether.train.recipe import build_run, train_step
+    from tether.train.recipe_sharded import rank_rollout
 
     libraries = _rss_mib()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = TrainConfig(model=args.model, lora_rank=args.lora_rank, steps=args.steps, out=args.out,
                       prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
                       micro_batch_size=args.micro_batch, threads=args.threads, nproc=world).validate()
-    run = build_run(cfg)
-    train_step(run, 0)
+    run, clock = recipe.build_run(cfg), PhaseClock()
+    for stage in STAGES[1:]:
+        setattr(recipe, stage, clock.wrap(stage, getattr(recipe, stage)))
+    rollout = clock.wrap("rollout", rank_rollout(recipe) if world > 1 else recipe.sample)  # as `tether train --nproc N`
+    recipe.train_step(run, 0, rollout)
+    clock.reset()
     with open("/proc/self/clear_refs", "w") as f:  # restart the high-water mark: the timed steps' own peak
         f.write("5")
     times = []
     for step in range(1, args.steps):
         start = time.perf_counter()
-        train_step(run, step)
+        recipe.train_step(run, step, rollout)
         times.append(time.perf_counter() - start)
     record = {"rank": int(os.environ.get("RANK", "0")), "step_s": statistics.median(times),
               "steps_peak_mib": _hwm_mib(), "life_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "libraries_mib": libraries}
+              "libraries_mib": libraries, "stage_s": {k: v / len(times) for k, v in clock.seconds.items()}}
     with open(args.report, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -147,23 +158,36 @@ def table(rows: list[dict]) -> str:
 def render(rows: list[dict]) -> str:
     """One line per record (fine-tuning, ranks x threads, each rank's memory), then the workload and
     where, when and how the rows ran."""
-    lines = ["| fine-tuning | ranks x threads | s / step (median, slowest rank) | peak RSS per rank, timed steps (MiB) "
-             "| peak RSS per rank, process life (MiB) | of which libraries (MiB) |", "|---|---|---|---|---|---|"]
+    lines = ["| fine-tuning | ranks x threads | s / step (median, slowest rank) | rank 0's step: gather / sample / "
+             "reference / loss + optimizer / readings (s, mean) | peak RSS per rank, timed steps (MiB) "
+             "| peak RSS per rank, process life (MiB) | of which libraries (MiB) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         def each(key: str) -> str:
             return " / ".join(f"{rank[key]:.0f}" for rank in r["per_rank"])
 
         kind = f"LoRA r{r['lora_rank']}" if r["lora_rank"] else "full"
         if r.get("error"):
-            lines.append(f"| {kind} | {r['ranks']} x {r['threads']} | failed: {r['error']} | | | |")
+            lines.append(f"| {kind} | {r['ranks']} x {r['threads']} | failed: {r['error']} | | | | |")
             continue
-        lines.append(f"| {kind} | {r['ranks']} x {r['threads']} | {r['step_s']:.2f} | {each('steps_peak_mib')} "
+        lines.append(f"| {kind} | {r['ranks']} x {r['threads']} | {r['step_s']:.2f} | {stages(r['per_rank'][0], r['ranks'])} "
+                     f"| {each('steps_peak_mib')} "
                      f"| {each('life_peak_mib')} | {each('libraries_mib')} |")
     first = rows[0]
     stamps = "; ".join(sorted({f"{r['machine']}, {r['date']}, commit {r['commit']}, torch {r.get('torch')}" for r in rows}))
     return ("\n".join(lines) + f"\n\nModel {first['model']}, {first['dtype']}, {first['prompts']} prompts x "
             f"{first['group']} answers x {first['max_new_tokens']} tokens, median of steps 2-{first['steps']} after one "
             f"warm-up step; {stamps}; " + ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in rows)) + ".")
+
+
+def stages(rank: dict, ranks: int) -> str:
+    """One rank's stage seconds. On 2+ ranks the gathering is what the rollout took beyond its sampling
+    and reference pass (the weights' gather and release); one rank gathers nothing. A record from
+    before the split says so."""
+    if "stage_s" not in rank:
+        return "not recorded"
+    s = rank["stage_s"]
+    gather = s["rollout"] - s["sample"] - s["add_reference"] if ranks > 1 else 0.0
+    return " / ".join(f"{v:.2f}" for v in (gather, s["sample"], s["add_reference"], s["optimize"], s["hold_kl_budget"]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -34,9 +34,9 @@ def test_the_table_takes_the_newest_record_of_each_row_lora_first():
                row("2026-11-28T12:00:00Z", 16, 2, 1, 8.654, [2541.2, 2622.0]),
                row("2026-11-28T13:00:00Z", 16, 1, 1, 0.1, [395.0], quick=True)]
     lines = sharded.table(records).splitlines()
-    assert lines[2] == "| LoRA r16 | 1 x 1 | 7.82 | 1791 | 1791 | 353 |"
-    assert lines[3] == "| LoRA r16 | 2 x 1 | 8.65 | 2541 / 2622 | 2542 / 2622 | 353 / 353 |"
-    assert lines[4] == "| full | 1 x 1 | 11.27 | 4270 | 4270 | 353 |"
+    assert lines[2] == "| LoRA r16 | 1 x 1 | 7.82 | not recorded | 1791 | 1791 | 353 |"
+    assert lines[3] == "| LoRA r16 | 2 x 1 | 8.65 | not recorded | 2541 / 2622 | 2542 / 2622 | 353 / 353 |"
+    assert lines[4] == "| full | 1 x 1 | 11.27 | not recorded | 4270 | 4270 | 353 |"
     assert lines[5] == ""
     assert lines[6] == ("Model default, float32, 4 prompts x 4 answers x 16 tokens, median of steps 2-4 after one warm-up "
                         "step; Box, 2 cores, 2026-11-28, commit abc1234, torch 2.13.0+cpu; `python benchmarks/sharded.py`.")
@@ -45,7 +45,25 @@ def test_the_table_takes_the_newest_record_of_each_row_lora_first():
 
 def test_a_failed_row_is_shown_failed_with_its_error():
     records = [row("2026-11-28T10:00:00Z", 0, 2, 1, None, [], error="RuntimeError: gloo timed out")]
-    assert sharded.table(records).splitlines()[2] == "| full | 2 x 1 | failed: RuntimeError: gloo timed out | | | |"
+    assert sharded.table(records).splitlines()[2] == "| full | 2 x 1 | failed: RuntimeError: gloo timed out | | | | |"
+
+
+def test_the_stage_split_reads_rank_0_and_derives_the_gather_on_two_ranks():
+    """Rank 0 of 2: rollout 5.0 s of which sample 3.0 and reference 1.25, so the gather and release
+    take 5.0 - 3.0 - 1.25 = 0.75 s; loss + optimizer 2.5, readings 1.125 (printed to 2 places: 1.12,
+    round-half-even on the binary 1.125). One rank gathers nothing: its rollout is its sampling,
+    and its reference pass is outside it (rollout 3.0 = sample 3.0, reference 1.0 -> gather 0.00)."""
+    two = row("2026-11-28T10:00:00Z", 0, 2, 1, 9.0, [3700.0, 3710.0])
+    two["per_rank"][0]["stage_s"] = {"rollout": 5.0, "sample": 3.0, "add_reference": 1.25, "optimize": 2.5,
+                                     "hold_kl_budget": 1.125}
+    one = row("2026-11-28T10:00:00Z", 0, 1, 1, 6.0, [5500.0])
+    one["per_rank"][0]["stage_s"] = {"rollout": 3.0, "sample": 3.0, "add_reference": 1.0, "optimize": 1.5,
+                                     "hold_kl_budget": 0.5}
+    assert sharded.stages(two["per_rank"][0], 2) == "0.75 / 3.00 / 1.25 / 2.50 / 1.12"
+    assert sharded.stages(one["per_rank"][0], 1) == "0.00 / 3.00 / 1.00 / 1.50 / 0.50"
+    lines = sharded.table([one, two]).splitlines()
+    assert lines[2] == "| full | 1 x 1 | 6.00 | 0.00 / 3.00 / 1.00 / 1.50 / 0.50 | 5500 | 5500 | 353 |"
+    assert lines[3] == "| full | 2 x 1 | 9.00 | 0.75 / 3.00 / 1.25 / 2.50 / 1.12 | 3700 / 3710 | 3700 / 3710 | 353 / 353 |"
 
 
 def test_no_full_record_names_the_commands():

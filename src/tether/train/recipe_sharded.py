@@ -61,13 +61,19 @@ def writer_rollout(rollout: Rollout) -> Rollout:
     return on_writer
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
-          recipe: ModuleType) -> dict[str, Any]:
-    """``recipe.train`` (tether's recipe, or a copy's module) on this rank, with the recipe's
-    rollout, ``sample``, wrapped by ``sharded_rollout`` (and by ``writer_rollout`` for a tool task)."""
+def rank_rollout(recipe: ModuleType) -> Rollout:
+    """The rollout a sharded run of ``recipe`` steps with: its ``sample`` (rank 0's alone for a tool
+    task, ``writer_rollout``) and its ``add_reference``, both on gathered weights (``sharded_rollout``).
+    A step given the plain ``sample`` would gather every layer again at every decode step."""
     alone = writer_rollout(recipe.sample)  # sharding.share_run leaves a tool task's sampler without SharedDraw
 
     def sample(run: Run, problems: list[Problem], step: int) -> StepRecord:
         return (recipe.sample if run.task.tool_use is None else alone)(run, problems, step)
 
-    return recipe.train(cfg, resume=resume, progress=progress, rollout=sharded_rollout(sample, recipe.add_reference))
+    return sharded_rollout(sample, recipe.add_reference)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True,
+          recipe: ModuleType) -> dict[str, Any]:
+    """``recipe.train`` (tether's recipe, or a copy's module) on this rank, stepping with ``rank_rollout(recipe)``."""
+    return recipe.train(cfg, resume=resume, progress=progress, rollout=rank_rollout(recipe))
