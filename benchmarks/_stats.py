@@ -31,3 +31,17 @@ def prediction(values: list[float]) -> tuple[float, float, float]:
     """Mean and the 95 % t range where one more draw from the same spread falls: ``mean -+ t sd
     sqrt(1 + 1 / n)`` (NaN bounds from one value)."""
     return _t_range(values, math.sqrt(1 + 1 / len(values)))
+
+
+def welch(mean: float, parts: list[tuple[float, int]]) -> tuple[float, float, float]:
+    """``mean`` with the 95 % t interval of a sum of independent estimates, each given as ``(variance,
+    degrees of freedom)``: the variances add, on Welch-Satterthwaite's degrees of freedom rounded
+    down. NaN bounds when a part has no degree of freedom."""
+    if any(df < 1 for _, df in parts):
+        return mean, math.nan, math.nan
+    variance = sum(v for v, _ in parts)
+    if variance == 0:
+        return mean, mean, mean
+    df = variance**2 / sum(v * v / d for v, d in parts)
+    half = t95(int(df) + 1) * math.sqrt(variance)
+    return mean, mean - half, mean + half

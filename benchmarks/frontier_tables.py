@@ -6,7 +6,7 @@ curve (``CURVE_OF``: full fine-tuning's for the moving reference, LoRA's for eve
 variant, and the same two drawn again from the 48-step ``long-`` points for the long runs). A curve: its constant-beta points' means (beta = 0 included), ordered by mean KL and
 joined by straight lines, its end segments extended beyond them; a run's residual is its accuracy
 less the curve at its own KL, and a point's residual is the mean and t interval of its runs'.
-The interval is over seeds only: the curve's own noise is not in it. Records of ``--quick``
+That interval is over the point's seeds only; a second one adds the curve's own noise. Records of ``--quick``
 runs are never shown; ``--reduced`` ones get their own, labelled table. The power table pools
 the variants' residual spread over seeds and says how many seeds a 2-point residual needs.
 """
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
 import _results
-from _stats import interval, t95
+from _stats import interval, t95, welch
 
 PLOT = "docs/frontier.png"
 
@@ -42,26 +43,41 @@ def curve_family(point: str) -> str | None:
     return None if family in CURVES else CURVE_OF.get(family, "constant")
 
 
-def curve(records: list[dict[str, Any]], family: str = "constant") -> list[tuple[float, float]]:
-    """``(mean KL, mean accuracy)`` of each point of the constant-beta ``family``, by KL: the curve's knots."""
+def _knots(records: list[dict[str, Any]], family: str) -> list[tuple[float, float, float, int]]:
+    """``(mean KL, mean accuracy, variance of that mean, seeds)`` of each point of ``family``, by KL."""
     points: dict[str, list[dict]] = {}
     for r in records:
         if _family(r["point"]) == family:
             points.setdefault(r["point"], []).append(r)
-    knots = [(sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs), sum(r["heldout_accuracy"] for r in rs) / len(rs))
-             for rs in points.values()]
-    return sorted(knots)
+    out = []
+    for rs in points.values():
+        accuracy = [r["heldout_accuracy"] for r in rs]
+        spread = statistics.variance(accuracy) / len(rs) if len(rs) > 1 else math.nan
+        out.append((statistics.fmean(r["heldout_kl_sampled_per_seq"] for r in rs), statistics.fmean(accuracy), spread, len(rs)))
+    return sorted(out)
 
 
-def on_curve(knots: list[tuple[float, float]], kl: float) -> float:
-    """The curve's accuracy at ``kl``: linear between the knots around it, the end segments extended."""
+def curve(records: list[dict[str, Any]], family: str = "constant") -> list[tuple[float, float]]:
+    """``(mean KL, mean accuracy)`` of each point of the constant-beta ``family``, by KL: the curve's knots."""
+    return [(kl, accuracy) for kl, accuracy, _, _ in _knots(records, family)]
+
+
+def _segment(knots: list[tuple[float, float]], kl: float) -> tuple[int, float, float]:
+    """``(i, w0, w1)``: the curve at ``kl`` is ``w0`` x knot ``i - 1``'s accuracy + ``w1`` x knot ``i``'s."""
     if len(knots) < 2:
         raise ValueError(f"knots: expected at least two constant-beta points to draw a curve, got {len(knots)}.")
     i = 1
     while i < len(knots) - 1 and kl > knots[i][0]:
         i += 1
-    (x0, y0), (x1, y1) = knots[i - 1], knots[i]
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (kl - x0) / (x1 - x0)
+    (x0, _), (x1, _) = knots[i - 1], knots[i]
+    w1 = 0.0 if x1 == x0 else (kl - x0) / (x1 - x0)
+    return i, 1.0 - w1, w1
+
+
+def on_curve(knots: list[tuple[float, float]], kl: float) -> float:
+    """The curve's accuracy at ``kl``: linear between the knots around it, the end segments extended."""
+    i, w0, w1 = _segment(knots, kl)
+    return w0 * knots[i - 1][1] + w1 * knots[i][1]
 
 
 def residuals(runs: list[dict[str, Any]], knots: list[tuple[float, float]]) -> list[float]:
@@ -69,11 +85,29 @@ def residuals(runs: list[dict[str, Any]], knots: list[tuple[float, float]]) -> l
     return [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in runs]
 
 
+def residual_with_curve(runs: list[dict[str, Any]], records: list[dict[str, Any]], family: str) -> tuple[float, float, float]:
+    """A point's mean residual and its 95 % interval with the curve's own noise in: the variance of
+    the runs' mean residual plus each knot's variance of its mean accuracy times its weight in the
+    curve at the runs' KLs squared, on Welch-Satterthwaite's degrees of freedom (rounded down).
+    The knots' KLs are taken as known. NaN bounds when a part has one seed."""
+    stats = _knots(records, family)
+    knots = [(kl, accuracy) for kl, accuracy, _, _ in stats]
+    values, weights = residuals(runs, knots), [0.0] * len(knots)
+    for r in runs:
+        i, w0, w1 = _segment(knots, r["heldout_kl_sampled_per_seq"])
+        weights[i - 1], weights[i] = weights[i - 1] + w0 / len(runs), weights[i] + w1 / len(runs)
+    parts = [(statistics.variance(values) / len(values) if len(values) > 1 else math.nan, len(values) - 1)]
+    return welch(statistics.fmean(values), parts + [(w * w * spread, n - 1) for w, (_, _, spread, n) in zip(weights, stats) if w])
+
+
 def _cell(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
     values = [scale * v for v in values if v is not None]
     if not values:
         return "–"
-    mean, low, high = interval(values)
+    return _span(*interval(values), fmt=fmt)
+
+
+def _span(mean: float, low: float, high: float, fmt: str) -> str:
     return fmt.format(mean) if math.isnan(low) else f"{fmt.format(mean)} ({fmt.format(low)} to {fmt.format(high)})"
 
 
@@ -91,8 +125,9 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
     curves = {family: curve(records, family) for family in CURVES}
     base = {r["seed"]: r["heldout_accuracy"] for r in records if r["point"] == "base"}
     lines = ["| point | seeds | held-out accuracy, % | gain over the untrained model, points | held-out KL, sampled "
-             "(nats / answer) | residual vs constant β (its curve), points | chat-prompt KL (nats / answer) | instructions followed, % |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(nats / answer) | residual vs constant β (its curve), points | the same, the curve's noise in | "
+             "chat-prompt KL (nats / answer) | instructions followed, % |",
+             "|---|---|---|---|---|---|---|---|---|"]
     by_point: dict[str, list[dict]] = {}
     for r in records:
         by_point.setdefault(r["point"], []).append(r)
@@ -103,11 +138,12 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
         knots = curves[against] if against else []
         residual = "–" if len(knots) < 2 else _cell(residuals(rs, knots), 100, "{:+.1f}")
         residual += f" ({against})" if residual != "–" and against != "constant" else ""
+        noisy = "–" if len(knots) < 2 else _span(*(100 * v for v in residual_with_curve(rs, records, against)), fmt="{:+.1f}")
         mean_kl = sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs)
         outside = knots and not knots[0][0] <= mean_kl <= knots[-1][0]
         lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')} "
                      f"| {_cell([r['heldout_kl_sampled_per_seq'] for r in rs], fmt='{:.2f}')} | {residual}"
-                     f"{' (extrapolated)' if outside and residual != '–' else ''} "
+                     f"{' (extrapolated)' if outside and residual != '–' else ''} | {noisy} "
                      f"| {_cell([r.get('forgetting_kl_sampled_per_seq') for r in rs], fmt='{:.2f}')} "
                      f"| {_cell([r.get('capability_rate') for r in rs], 100)} |")
     return "\n".join(lines) + "\n\n" + provenance(records) + (f"\n\n![The frontier, {mode} runs](frontier.png)"

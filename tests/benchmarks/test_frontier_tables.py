@@ -91,3 +91,28 @@ def test_the_power_table_pools_the_variants_residual_spread_and_counts_the_seeds
     assert (df, runs) == (1, 2) and sd == pytest.approx(2 ** 0.5 / 100, rel=1e-12)
     assert frontier_tables.seeds_for(1.0, 1.0) == 7  # 2.571 / sqrt(6) = 1.050 > 1, 2.447 / sqrt(7) = 0.925
     assert frontier_tables.power_table(RECORDS[:4]).startswith("No variant has two seeds yet")
+
+
+def test_the_residual_with_the_curves_noise_adds_each_knots_variance_by_its_weight():
+    """budget-t1 at KL 1.0 sits halfway between the knots (0.5, 0.30) and (1.5, 0.45): weights 1/2
+    and 1/2. Its residuals +2.5 and +4.5 points give a mean's variance of 0.0002 / 2 = 1e-4 (df 1);
+    constant-0.3's accuracies 0.30, 0.30 add 0; constant-0.1's 0.40, 0.50 (variance of the mean
+    0.005 / 2 = 0.0025, df 1) add 0.25 x 0.0025 = 6.25e-4. Sum 7.25e-4; Welch-Satterthwaite's df
+    7.25e-4^2 / (1e-8 + 3.90625e-7) = 1.31, rounded down to 1: t = 12.706, half-width
+    12.706 x sqrt(7.25e-4) = 0.34212: +3.5 (-30.7 to +37.7) in the table, after the seeds-only one."""
+    runs = [r for r in RECORDS if r["point"] == "budget-t1"]
+    mean, low, high = frontier_tables.residual_with_curve(runs, RECORDS, "constant")
+    half = 12.706 * 7.25e-4 ** 0.5
+    assert (mean, low, high) == pytest.approx((0.035, 0.035 - half, 0.035 + half), abs=1e-12)
+    row = next(line for line in frontier_tables.points_table(RECORDS, "full").splitlines() if line.startswith("| budget-t1 |"))
+    assert "| +3.5 (-9.2 to +16.2) | +3.5 (-30.7 to +37.7) |" in row
+
+
+def test_the_residual_with_the_curves_noise_has_no_bounds_when_a_knot_has_one_seed():
+    """Without constant-0.1's seed 1 its knot is (1.0, 0.40), one seed, and budget-t1 at KL 1.0 reads
+    it alone (weight 1): residuals 0 and +2 points, mean +1. That knot has no spread to add, so the
+    interval is not drawn (NaN bounds); the mean still is."""
+    records = [r for r in RECORDS if not (r["point"] == "constant-0.1" and r["seed"] == 1)]
+    runs = [r for r in records if r["point"] == "budget-t1"]
+    mean, low, high = frontier_tables.residual_with_curve(runs, records, "constant")
+    assert low != low and high != high and mean == pytest.approx(0.01, abs=1e-12)
