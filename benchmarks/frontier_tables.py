@@ -43,7 +43,7 @@ def curve_family(point: str) -> str | None:
     return None if family in CURVES else CURVE_OF.get(family, "constant")
 
 
-def _knots(records: list[dict[str, Any]], family: str) -> list[tuple[float, float, float, int]]:
+def curve_knots(records: list[dict[str, Any]], family: str) -> list[tuple[float, float, float, int]]:
     """``(mean KL, mean accuracy, variance of that mean, seeds)`` of each point of ``family``, by KL."""
     points: dict[str, list[dict]] = {}
     for r in records:
@@ -59,7 +59,11 @@ def _knots(records: list[dict[str, Any]], family: str) -> list[tuple[float, floa
 
 def curve(records: list[dict[str, Any]], family: str = "constant") -> list[tuple[float, float]]:
     """``(mean KL, mean accuracy)`` of each point of the constant-beta ``family``, by KL: the curve's knots."""
-    return [(kl, accuracy) for kl, accuracy, _, _ in _knots(records, family)]
+    return _xy(curve_knots(records, family))
+
+
+def _xy(stats: list[tuple[float, float, float, int]]) -> list[tuple[float, float]]:
+    return [(kl, accuracy) for kl, accuracy, _, _ in stats]
 
 
 def _segment(knots: list[tuple[float, float]], kl: float) -> tuple[int, float, float]:
@@ -85,16 +89,15 @@ def residuals(runs: list[dict[str, Any]], knots: list[tuple[float, float]]) -> l
     return [r["heldout_accuracy"] - on_curve(knots, r["heldout_kl_sampled_per_seq"]) for r in runs]
 
 
-def residual_with_curve(runs: list[dict[str, Any]], records: list[dict[str, Any]], family: str) -> tuple[float, float, float]:
+def residual_with_curve(runs: list[dict[str, Any]], stats: list[tuple[float, float, float, int]]) -> tuple[float, float, float]:
     """A point's mean residual and its 95 % interval with the curve's own noise in: the variance of
     the runs' mean residual plus each knot's variance of its mean accuracy times its weight in the
     curve at the runs' KLs squared, on Welch-Satterthwaite's degrees of freedom (rounded down).
-    The knots' KLs are taken as known. NaN bounds when a part has one seed."""
-    stats = _knots(records, family)
-    knots = [(kl, accuracy) for kl, accuracy, _, _ in stats]
-    values, weights = residuals(runs, knots), [0.0] * len(knots)
+    ``stats``: the curve's ``curve_knots``. The knots' KLs are taken as known. NaN bounds when a part has one seed."""
+    xy = _xy(stats)
+    values, weights = residuals(runs, xy), [0.0] * len(xy)
     for r in runs:
-        i, w0, w1 = _segment(knots, r["heldout_kl_sampled_per_seq"])
+        i, w0, w1 = _segment(xy, r["heldout_kl_sampled_per_seq"])
         weights[i - 1], weights[i] = weights[i - 1] + w0 / len(runs), weights[i] + w1 / len(runs)
     parts = [(statistics.variance(values) / len(values) if len(values) > 1 else math.nan, len(values) - 1)]
     return welch(statistics.fmean(values), parts + [(w * w * spread, n - 1) for w, (_, _, spread, n) in zip(weights, stats) if w])
@@ -122,7 +125,8 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
     records = [r for r in records if r.get("mode") == mode]
     if not records:
         return f"No {mode} frontier runs recorded yet (`python benchmarks/frontier.py{'' if mode == 'full' else ' --' + mode}`)."
-    curves = {family: curve(records, family) for family in CURVES}
+    stats = {family: curve_knots(records, family) for family in CURVES}
+    curves = {family: _xy(k) for family, k in stats.items()}
     base = {r["seed"]: r["heldout_accuracy"] for r in records if r["point"] == "base"}
     lines = ["| point | seeds | held-out accuracy, % | gain over the untrained model, points | held-out KL, sampled "
              "(nats / answer) | residual vs constant β (its curve), points | the same, the curve's noise in | "
@@ -138,7 +142,7 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
         knots = curves[against] if against else []
         residual = "–" if len(knots) < 2 else _cell(residuals(rs, knots), 100, "{:+.1f}")
         residual += f" ({against})" if residual != "–" and against != "constant" else ""
-        noisy = "–" if len(knots) < 2 else _span(*(100 * v for v in residual_with_curve(rs, records, against)), fmt="{:+.1f}")
+        noisy = "–" if len(knots) < 2 else _span(*(100 * v for v in residual_with_curve(rs, stats[against])), fmt="{:+.1f}")
         mean_kl = sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs)
         outside = knots and not knots[0][0] <= mean_kl <= knots[-1][0]
         lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')} "

@@ -62,6 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch  # noqa: F401  (the libraries' RSS is read before the model exists)
 
     from step_clock import PhaseClock
+    from step_profile import staged
     from tether.train import recipe
     from tether.train.config import TrainConfig
     from tether.train.recipe_sharded import rank_rollout
@@ -72,8 +73,7 @@ def worker(args: argparse.Namespace) -> None:
                       prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.max_new_tokens,
                       micro_batch_size=args.micro_batch, threads=args.threads, nproc=world).validate()
     run, clock = recipe.build_run(cfg), PhaseClock()
-    for stage in STAGES[1:]:
-        setattr(recipe, stage, clock.wrap(stage, getattr(recipe, stage)))
+    staged(recipe, clock.wrap, STAGES[1:])
     rollout = clock.wrap("rollout", rank_rollout(recipe) if world > 1 else recipe.sample)  # as `tether train --nproc N`
     recipe.train_step(run, 0, rollout)
     clock.reset()

@@ -101,7 +101,7 @@ def test_the_residual_with_the_curves_noise_adds_each_knots_variance_by_its_weig
     7.25e-4^2 / (1e-8 + 3.90625e-7) = 1.31, rounded down to 1: t = 12.706, half-width
     12.706 x sqrt(7.25e-4) = 0.34212: +3.5 (-30.7 to +37.7) in the table, after the seeds-only one."""
     runs = [r for r in RECORDS if r["point"] == "budget-t1"]
-    mean, low, high = frontier_tables.residual_with_curve(runs, RECORDS, "constant")
+    mean, low, high = frontier_tables.residual_with_curve(runs, frontier_tables.curve_knots(RECORDS, "constant"))
     half = 12.706 * 7.25e-4 ** 0.5
     assert (mean, low, high) == pytest.approx((0.035, 0.035 - half, 0.035 + half), abs=1e-12)
     row = next(line for line in frontier_tables.points_table(RECORDS, "full").splitlines() if line.startswith("| budget-t1 |"))
@@ -114,5 +114,5 @@ def test_the_residual_with_the_curves_noise_has_no_bounds_when_a_knot_has_one_se
     interval is not drawn (NaN bounds); the mean still is."""
     records = [r for r in RECORDS if not (r["point"] == "constant-0.1" and r["seed"] == 1)]
     runs = [r for r in records if r["point"] == "budget-t1"]
-    mean, low, high = frontier_tables.residual_with_curve(runs, records, "constant")
+    mean, low, high = frontier_tables.residual_with_curve(runs, frontier_tables.curve_knots(records, "constant"))
     assert low != low and high != high and mean == pytest.approx(0.01, abs=1e-12)
