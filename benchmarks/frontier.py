@@ -3,8 +3,8 @@
 Each trained point is a default ``tether train`` run (the embedded model, 16 steps) with only the
 leash changed and 500 held-out problems: constant beta in {0, 0.05, 0.1, 0.2, 0.3}, the budget at
 targets 1-4 plain and with ``kl_push``, ``kl_adaptive_lr`` or ``weight_average``, beta 0 landed on
-1-4 at the end (``final_kl_target``), and, fully fine-tuned (``lora_rank=0``), constant beta
-(``full-constant-*``) and the moving reference (``budget-moving-*``). After training, the
+1-4 at the end (``final_kl_target``), the moving reference (``budget-moving-*``), and, fully
+fine-tuned (``lora_rank=0``), constant beta and the moving reference again (``full-*``). After training, the
 forgetting axis (``tether.train.forgetting``): the exact KL on answers sampled for general chat prompts, and the
 share of rule-checked instructions followed. ``best-of-n-N`` points need no training: 32 sampled
 answers per held-out problem from the untrained policy, the best of the first N by the task's
@@ -48,7 +48,7 @@ def _budget(t: float, push: bool) -> dict[str, Any]:
 AVERAGE_DECAY = 0.8
 TARGETS = (1.0, 2.0, 3.0, 4.0)
 CONSTANT_BETAS = (0.0, 0.05, 0.1, 0.2, 0.3)
-FULL = {"lora_rank": 0}  # full fine-tuning: what reference_move needs, so its curve is its own
+FULL = {"lora_rank": 0}  # full fine-tuning: another model class, so its points have a curve of their own
 
 # Point -> config overrides; None: a variant whose config fields have not landed yet (named, skipped).
 GRID: dict[str, dict[str, Any] | None] = {
@@ -60,7 +60,8 @@ GRID: dict[str, dict[str, Any] | None] = {
     # beta 0 trained freely, then moved once along the line to the reference to land on t (WiSE-FT).
     **{f"constant-0-land-t{t:g}": {"kl_controller": "constant", "kl_coef": 0.0, "final_kl_target": t} for t in TARGETS},
     **{f"full-constant-{b:g}": {"kl_controller": "constant", "kl_coef": b, **FULL} for b in CONSTANT_BETAS},
-    **{f"budget-moving-t{t:g}": {**_budget(t, False), "reference_move": "reset", **FULL} for t in TARGETS},
+    **{f"budget-moving-t{t:g}": {**_budget(t, False), "reference_move": "reset"} for t in TARGETS},
+    **{f"full-budget-moving-t{t:g}": {**_budget(t, False), "reference_move": "reset", **FULL} for t in TARGETS},
     "best-of-n": {},
 }
 # Longer runs, where a constant beta drifts and a moving reference should pay: the same families at
@@ -70,9 +71,7 @@ LONG_TARGETS, LONG_BETAS = (1.0, 3.0), (0.0, 0.05, 0.1, 0.3)
 GRID |= {
     **{f"long-constant-{b:g}": {**GRID[f"constant-{b:g}"], "steps": LONG_STEPS} for b in LONG_BETAS},
     **{f"long-{family}-t{t:g}": {**GRID[f"{family}-t{t:g}"], "steps": LONG_STEPS}
-       for family in ("budget", "budget-avg") for t in LONG_TARGETS},
-    **{f"long-full-constant-{b:g}": {**GRID[f"full-constant-{b:g}"], "steps": LONG_STEPS} for b in LONG_BETAS},
-    **{f"long-budget-moving-t{t:g}": {**GRID[f"budget-moving-t{t:g}"], "steps": LONG_STEPS} for t in LONG_TARGETS},
+       for family in ("budget", "budget-avg", "budget-moving") for t in LONG_TARGETS},
 }
 
 

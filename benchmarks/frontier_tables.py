@@ -2,8 +2,9 @@
 
 Each point: its mean over seeds and 95 % t interval of held-out accuracy and held-out KL, the
 gain over the untrained model, the forgetting axis, and its residual against a constant-beta
-curve (``CURVE_OF``: full fine-tuning's for the moving reference, LoRA's for every other
-variant, and the same two drawn again from the 48-step ``long-`` points for the long runs). A curve: its constant-beta points' means (beta = 0 included), ordered by mean KL and
+curve (``CURVE_OF``: full fine-tuning's for the fully fine-tuned moving reference, LoRA's for
+every other variant, drawn again from the 48-step ``long-`` points for the long runs). A curve: its
+constant-beta points' means (beta = 0 included), ordered by mean KL and
 joined by straight lines, its end segments extended beyond them; a run's residual is its accuracy
 less the curve at its own KL, and a point's residual is the mean and t interval of its runs'.
 That interval is over the point's seeds only; a second one adds the curve's own noise. Records of ``--quick``
@@ -32,9 +33,9 @@ def _family(point: str) -> str:
 
 # Family -> the constant-beta family whose curve its residual is read against: fully fine-tuned
 # variants against the fully fine-tuned constant beta; every other family against LoRA's.
-CURVES = ("constant", "full-constant", "long-constant", "long-full-constant")
-CURVE_OF: dict[str, str] = {"budget-moving": "full-constant", "long-budget": "long-constant",
-                            "long-budget-avg": "long-constant", "long-budget-moving": "long-full-constant"}
+CURVES = ("constant", "full-constant", "long-constant")
+CURVE_OF: dict[str, str] = {"full-budget-moving": "full-constant", "long-budget": "long-constant",
+                            "long-budget-avg": "long-constant", "long-budget-moving": "long-constant"}
 
 
 def curve_family(point: str) -> str | None:

@@ -74,7 +74,8 @@ def test_every_point_s_config_validates_and_a_name_picks_its_point_alone():
             assert overrides is not None, point
             frontier._cfg(point, 0, frontier.MODES[name], args).validate()
     assert frontier.GRID["budget-avg-t2"]["weight_average"] == frontier.AVERAGE_DECAY
-    assert frontier.GRID["budget-moving-t2"]["lora_rank"] == frontier.GRID["full-constant-0.1"]["lora_rank"] == 0
+    assert frontier.GRID["full-budget-moving-t2"]["lora_rank"] == frontier.GRID["full-constant-0.1"]["lora_rank"] == 0
+    assert "lora_rank" not in frontier.GRID["budget-moving-t2"]  # the default LoRA, on LoRA's curve
     assert frontier.selected("constant-0") == ["constant-0"]
     assert frontier.selected("constant-0-land") == [f"constant-0-land-t{t}" for t in (1, 2, 3, 4)]
     assert frontier.selected("budget-push") == [f"budget-push-t{t}" for t in (1, 2, 3, 4)]

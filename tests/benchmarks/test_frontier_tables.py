@@ -55,23 +55,24 @@ def test_another_modes_records_are_not_shown_and_an_empty_mode_says_so():
 
 def test_the_moving_reference_is_read_against_full_fine_tuning_and_a_landed_point_is_no_knot():
     """Full fine-tuning's curve: full-constant-0.3 at (0.5, 0.20), full-constant-0 at (2.0, 0.60),
-    slope 0.4 / 1.5 a nat, so KL 1.25 reads 0.40; budget-moving-t1 reads 0.45 and 0.47 there:
+    slope 0.4 / 1.5 a nat, so KL 1.25 reads 0.40; full-budget-moving-t1 reads 0.45 and 0.47 there:
     +5 and +7 points, mean +6.0, sd sqrt(2), t(1) = 12.706: -6.7 to +18.7. constant-0-land-t1 is
     no knot of LoRA's curve: at budget-t1's KL and accuracies its residual is budget-t1's +3.5."""
     full = [_record("full-constant-0.3", s, 0.5, 0.20) for s in (0, 1)] + [
         _record("full-constant-0", 0, 1.8, 0.60), _record("full-constant-0", 1, 2.2, 0.60),
-        _record("budget-moving-t1", 0, 1.25, 0.45), _record("budget-moving-t1", 1, 1.25, 0.47),
+        _record("full-budget-moving-t1", 0, 1.25, 0.45), _record("full-budget-moving-t1", 1, 1.25, 0.47),
         _record("constant-0-land-t1", 0, 1.0, 0.40), _record("constant-0-land-t1", 1, 1.0, 0.42)]
-    assert frontier_tables.curve_family("budget-moving-t3") == "full-constant"
+    assert frontier_tables.curve_family("full-budget-moving-t3") == "full-constant"
+    assert frontier_tables.curve_family("budget-moving-t3") == "constant"  # with LoRA, on LoRA's curve
     assert frontier_tables.curve_family("constant-0-land-t3") == "constant"
     assert frontier_tables.curve_family("full-constant-0.1") is None
-    # the 48-step runs have curves of their own: LoRA's and full fine-tuning's
+    # the 48-step runs have a curve of their own
     assert [frontier_tables.curve_family(p) for p in ("long-budget-t1", "long-budget-avg-t3", "long-budget-moving-t1",
-                                                      "long-constant-0.1", "long-full-constant-0")] == [
-        "long-constant", "long-constant", "long-full-constant", None, None]
+                                                      "long-constant-0.1")] == [
+        "long-constant", "long-constant", "long-constant", None]
     table = frontier_tables.points_table(RECORDS + full, "full").splitlines()
     row = {line.split(" | ")[0][2:]: line for line in table if line.startswith("| ")}
-    assert "| +6.0 (-6.7 to +18.7) (full-constant) |" in row["budget-moving-t1"]
+    assert "| +6.0 (-6.7 to +18.7) (full-constant) |" in row["full-budget-moving-t1"]
     assert "| +3.5 (-9.2 to +16.2) |" in row["constant-0-land-t1"] and "| +3.5 (-9.2 to +16.2) |" in row["budget-t1"]
     assert row["full-constant-0"].count("| – |") == 1  # a knot has no residual
 

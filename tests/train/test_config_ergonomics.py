@@ -115,8 +115,7 @@ def test_choices_are_read_from_the_registries(monkeypatch):
                             "reference_update", "dtype", "device"}
     for field, table in choices.items():
         monkeypatch.setitem(table, "zz-new", object())
-        # loss mode needs k2/k3; a moving reference needs full fine-tuning
-        extra = {"kl_estimator": {"kl_mode": "reward"}, "reference_move": {"lora_rank": 0}}.get(field, {})
+        extra = {"kl_estimator": {"kl_mode": "reward"}}.get(field, {})  # loss mode needs k2/k3
         TrainConfig(**{field: "zz-new", **extra}).validate()
         with pytest.raises(ValueError, match=rf"{field}: expected one of .*'zz-new'.*, got 'zz-missing'"):
             TrainConfig(**{field: "zz-missing", **extra}).validate()

@@ -2,7 +2,8 @@
 the budget's record says it must, the kept weights' KL to the original model (read naively,
 by the two-pass ``exact_kl_tokens``) stays under ``reference_move_budget``, the held-out KL is
 measured to the original, a resumed run is bit-identical (moved reference included), and the
-bad combinations are refused by name."""
+bad combinations are refused by name. Each runs fully fine-tuned and with a new LoRA adapter
+(``reset`` copies the adapter; the original is the adapter switched off)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ from tether.train.variants import hold_original_budget, original_model
 
 # A target far under what one update at lr 1e-2 reaches: the budget pulls back every step.
 MOVING = dict(**BUDGET, kl_target=0.02, kl_bound=0.0, reference_move="reset", reference_move_after=2)
+RANKS = pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 
 
-def test_the_reference_moves_after_each_two_pulled_back_steps_and_resets_to_the_kept_weights(tmp_path):
+@RANKS
+def test_the_reference_moves_after_each_two_pulled_back_steps_and_resets_to_the_kept_weights(tmp_path, lora_rank):
     """Over 5 steps the logged streaks replayed by hand give the moves: a step counts when
     ``kl_move_scale < 1`` or rejected, and a move clears the streak; ``reference_moves`` is the
     running count. After the run the (reset) reference equals the kept weights of the last step
     that moved it; with a move on the last step, the final policy's."""
-    cfg = tiny_cfg(tmp_path / "run", steps=5, **MOVING)
+    cfg = tiny_cfg(tmp_path / "run", steps=5, lora_rank=lora_rank, **MOVING)
     train(cfg, progress=False)
     rows = _metrics(tmp_path / "run")
     streak, moves = 0, 0
@@ -41,11 +44,14 @@ def test_the_reference_moves_after_each_two_pulled_back_steps_and_resets_to_the_
     assert same == rows[-1]["reference_moved"]  # a step without a move trains the policy off the reference
 
 
-def test_the_kept_weights_stay_under_the_budget_to_the_original(tmp_path):
+@RANKS
+def test_the_kept_weights_stay_under_the_budget_to_the_original(tmp_path, lora_rank):
     """After a reset (the reference is the policy) the policy moves away; the cumulative hold
     pulls it back along the line to the original until the naive mean exact KL per answer to the
-    original, over every answer, is at most the budget (a tenth of where it was), and logs it to 1e-10."""
-    run = build_run(tiny_cfg(tmp_path / "run", **MOVING))
+    original, over every answer, is at most the budget (a tenth of where it was), and logs it to 1e-10.
+    With LoRA that line is the adapted weights' own, ``W + s B A``: every ``lora_B`` is scaled by
+    the logged scale, bit for bit, and ``lora_A`` is untouched."""
+    run = build_run(tiny_cfg(tmp_path / "run", lora_rank=lora_rank, **MOVING))
     record, _ = prepared(run)
     _moved_away(run)
     run.moving.mover.updater.move_now()  # the reference is now the moved policy
@@ -60,16 +66,23 @@ def test_the_kept_weights_stay_under_the_budget_to_the_original(tmp_path):
 
     start = naive()
     run.moving.budget = start / 10
+    factors = {n: p.clone() for n, p in run.models.policy.named_parameters() if p.requires_grad}
     entries = hold_original_budget(run, record, kept=0.0)
     assert entries["kl_to_base_scale"] < 1
+    if lora_rank:
+        for name, param in run.models.policy.named_parameters():
+            if name in factors:
+                scaled = factors[name] * entries["kl_to_base_scale"] if "lora_B" in name else factors[name]
+                assert torch.equal(param, scaled), name
     assert naive() <= run.moving.budget
     assert entries["kl_to_base_per_seq"] == pytest.approx(naive(), rel=1e-10)
     assert original_model(run) is original and original is not run.models.reference
 
 
-def test_before_the_first_move_the_reading_is_the_budget_s_own(tmp_path):
+@RANKS
+def test_before_the_first_move_the_reading_is_the_budget_s_own(tmp_path, lora_rank):
     """No move yet: the reference is the original, nothing is read, the policy is not touched."""
-    run = build_run(tiny_cfg(tmp_path / "run", **MOVING))
+    run = build_run(tiny_cfg(tmp_path / "run", lora_rank=lora_rank, **MOVING))
     record, _ = prepared(run)
     _moved_away(run)
     before = [p.clone() for p in run.models.policy.parameters()]
@@ -77,13 +90,15 @@ def test_before_the_first_move_the_reading_is_the_budget_s_own(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, run.models.policy.parameters()))
 
 
-def test_resume_restores_the_moved_reference_exactly(tmp_path):
+@RANKS
+def test_resume_restores_the_moved_reference_exactly(tmp_path, lora_rank):
     """A 5-step run stopped after step 3 and resumed ends with the weights, the reference and
     the metrics of the uninterrupted run, bit for bit."""
     clean, cut = tmp_path / "clean", tmp_path / "cut"
-    train(tiny_cfg(clean, steps=5, **MOVING), progress=False)
-    interrupted_train(tiny_cfg(cut, steps=5, **MOVING), after=3)
-    train(tiny_cfg(cut, steps=5, **MOVING), resume=True, progress=False)
+    cfg = dict(steps=5, lora_rank=lora_rank, **MOVING)
+    train(tiny_cfg(clean, **cfg), progress=False)
+    interrupted_train(tiny_cfg(cut, **cfg), after=3)
+    train(tiny_cfg(cut, **cfg), resume=True, progress=False)
     assert _metrics(clean) == _metrics(cut)
     for name in ("policy", "reference"):
         a, b = (load_file(str(r / "checkpoints" / (r / "checkpoints" / "latest").read_text() / f"{name}.safetensors"))
@@ -93,7 +108,7 @@ def test_resume_restores_the_moved_reference_exactly(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(kl_controller="constant"), "needs kl_controller='budget'"),
-    (dict(lora_rank=4), "needs full fine-tuning"),
+    (dict(lora_rank=4, reference_move="ema"), "would mix the LoRA factors separately"),
     (dict(reference_update="sync"), "would both move the reference"),
     (dict(kl_bound=4.0, reference_move_budget=2.0), "reference_move_budget: 2 is under kl_bound=4"),
     (dict(reference_move="sometimes"), "reference_move"),

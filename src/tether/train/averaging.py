@@ -142,7 +142,7 @@ def config_problems(cfg: Any) -> list[str]:
     if cfg.nproc > 1:
         p.append(f"{what}: the average and the final line search run in one process (nproc=1), got nproc={cfg.nproc}; "
                  "set nproc=1 or turn them off (0)")
-    if cfg.reference_update != "fixed" or cfg.reference_move != "off":
+    if cfg.reference_moves:
         p.append(f"{what}: the finish is held to the reference the run started from, but reference_update="
                  f"{cfg.reference_update!r} / reference_move={cfg.reference_move!r} move it; set reference_update=fixed "
                  "and reference_move=off, or turn them off (0)")

@@ -106,7 +106,7 @@ class TrainConfig:
     reference_update: str = _f("fixed", "Reference policy: fixed, sync (hard copy every reference_every steps) or ema.")
     reference_every: int = _f(10, "Steps between reference updates (sync / ema).")
     reference_alpha: float = _f(0.1, "EMA mixing weight for reference_update=ema.")
-    reference_move: str = _f("off", "kl_controller=budget: advance the reference when the budget binds, after reference_move_after pulled-back (scaled under 1 or rejected) steps in a row: 'reset' copies the kept weights into it, 'ema' moves it reference_move_alpha of the way; the kept weights' KL per answer to the original model is then held under reference_move_budget. 'off' never moves it. Full fine-tuning only (lora_rank=0), with reference_update=fixed.")
+    reference_move: str = _f("off", "kl_controller=budget: advance the reference when the budget binds, after reference_move_after pulled-back (scaled under 1 or rejected) steps in a row: 'reset' copies the kept weights into it, 'ema' moves it reference_move_alpha of the way; the kept weights' KL per answer to the original model is then held under reference_move_budget. 'off' never moves it. With LoRA only 'reset' (it copies the adapter); with reference_update=fixed.")
     reference_move_after: int = _f(3, "reference_move: consecutive pulled-back steps that move the reference.")
     reference_move_alpha: float = _f(0.5, "reference_move=ema: the kept weights' share in each move of the reference, in (0, 1].")
     kl_adaptive_lr: bool = _f(False, "kl_controller=budget: scale the next step's learning rate by the scale the budget kept (to the power kl_adaptive_lr_gain; a rejected update halves it) and raise it by 1.5x (to the same power) after a step it did not pull back, never above the schedule's rate.")
@@ -179,6 +179,12 @@ class TrainConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+    @property
+    def reference_moves(self) -> bool:
+        """Whether anything moves the reference (``reference_update`` or ``reference_move``), so
+        it needs weights of its own."""
+        return self.reference_update != "fixed" or self.reference_move != "off"
 
     def validate(self) -> "TrainConfig":
         """Raise one ValueError listing every invalid field, or return self."""
@@ -263,9 +269,9 @@ def _reference_move_problems(cfg: TrainConfig) -> list[str]:
     if cfg.kl_controller != "budget":
         p.append(f"reference_move: {what} is triggered by the budget's pull-backs and needs kl_controller='budget', "
                  f"got {cfg.kl_controller!r}; set kl_controller=budget or reference_move=off")
-    if cfg.lora_rank or cfg.adapter:
-        p.append(f"reference_move: {what} needs full fine-tuning (the original model is a second full copy and a "
-                 "LoRA line to a moved adapter is not the adapted weights' line); set lora_rank=0 or reference_move=off")
+    if cfg.reference_move == "ema" and (cfg.lora_rank or cfg.adapter):
+        p.append(f"reference_move: {what} would mix the LoRA factors separately, which does not mix the adapted "
+                 "weights (B A is bilinear in them); use reference_move=reset with LoRA, or lora_rank=0 for 'ema'")
     if cfg.nproc > 1:
         p.append(f"reference_move: {what} keeps the original model unsharded in one process; set nproc=1")
     if cfg.reference_update != "fixed":

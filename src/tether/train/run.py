@@ -329,7 +329,7 @@ def build_models(cfg: TrainConfig) -> Models:
     if cfg.lora_rank == 0:
         base.requires_grad_(True)
         reference = frozen_copy(base)
-        movable = reference if cfg.reference_update != "fixed" or cfg.reference_move != "off" else None
+        movable = reference if cfg.reference_moves else None
         return Models(base, reference, tokenizer, movable, prints, device)
     import peft
 
@@ -338,7 +338,7 @@ def build_models(cfg: TrainConfig) -> Models:
     torch.manual_seed(cfg.seed)
     lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets)
     policy = peft_model(base, lora).eval()
-    if cfg.reference_update == "fixed":
+    if not cfg.reference_moves:
         return Models(policy, adapter_disabled(policy), tokenizer, None, prints, device)
     reference = frozen_copy(policy)
     return Models(policy, reference, tokenizer, reference, prints, device)
@@ -377,7 +377,7 @@ def _continued_adapter(base: nn.Module, tokenizer: Any, cfg: TrainConfig, prints
                   AdapterNote, stacklevel=2)
     prints = {**prints, "adapter": adapter_digest(policy)}
     reference = frozen_copy(policy)
-    movable = reference if cfg.reference_update != "fixed" else None
+    movable = reference if cfg.reference_moves else None
     return Models(policy, reference, tokenizer, movable, prints, device)
 
 

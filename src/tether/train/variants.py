@@ -1,7 +1,8 @@
 """The leash's variants beyond the budget's line search, hooked into the step after ``hold_kl_budget``.
 
-``reference_move`` (a reference that moves when the budget binds): the run keeps a frozen copy
-of the original model beside the reference the budget holds to. After the budget's move, once
+``reference_move`` (a reference that moves when the budget binds): the run keeps the original
+model beside the reference the budget holds to (a frozen copy; with a new LoRA adapter, the
+adapter switched off). After the budget's move, once
 the reference has moved at least once, the kept weights' KL per answer to the original is read
 on the step's answers and, above ``reference_move_budget``, pulled back along the line to the
 original (``pull_under_ceiling``, the ceiling's own mechanism); then ``ReferenceMover`` counts the
@@ -23,7 +24,8 @@ from torch import nn
 
 from tether.control.budget import BudgetMove, ReferenceLine, pull_under_ceiling
 from tether.control.reference_move import ReferenceMover
-from tether.models import TransformersWrapper, frozen_copy
+from tether._compat import has_tuner_layers
+from tether.models import TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.records import StepRecord
 from tether.train.updates import CEILING_AIM, KLReadings, TrackedLine
 
@@ -46,7 +48,10 @@ def moving_reference(cfg: Any, models: Any) -> MovingReference | None:
     so ``original`` is the model the run started from."""
     if cfg.reference_move == "off":
         return None
-    original = frozen_copy(models.policy)
+    # A new adapter starts at lora_B = 0: the original is the adapter switched off (no copy), and
+    # the line to it scales lora_B, which is the adapted weights' own line.
+    fresh_adapter = has_tuner_layers(models.policy) and not cfg.adapter
+    original = adapter_disabled(models.policy) if fresh_adapter else frozen_copy(models.policy)
     mover = ReferenceMover(models.policy, models.movable_reference, mode=cfg.reference_move,
                            after=cfg.reference_move_after, alpha=cfg.reference_move_alpha)
     scorer = TransformersWrapper(original, models.tokenizer, input_mode="tokens", generate=False,
