@@ -98,14 +98,22 @@ def test_lora_on_two_ranks_equals_one_process(lora_runs):
     assert any(r["kl_per_seq"] > 1e-3 for r in _metrics(two))  # the leash measured a moved policy
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_kl_budget_on_two_ranks_equals_one_process(tmp_path, lora_rank):
+# Two readings a search and a band 1 % wide: the budget rejects steps 1 and 3 of the tiny run.
+REJECTING = (("kl_max_forwards", 2), ("kl_band", 0.01))
+
+
+@pytest.mark.parametrize(("lora_rank", "extra"), [(0, ()), (4, ()), (0, REJECTING)], ids=["full", "lora", "rejects"])
+def test_kl_budget_on_two_ranks_equals_one_process(tmp_path, lora_rank, extra):
     """kl_controller=budget: the KL summed over both ranks' rows decides the move, each rank moves
     its shards of the weights (LoRA's B factors, or every parameter toward the sharded reference
-    copy), and the run equals one process's; a target of 0.02 nats makes the budget move."""
-    kw = dict(lora_rank=lora_rank, learning_rate=1e-2, kl_controller="budget", kl_target=0.02)
+    copy) and the gathered weights its readings read, and the run equals one process's; a target
+    of 0.02 nats makes the budget move, and with ``REJECTING`` reject (the shards restored and
+    gathered again)."""
+    kw = dict(lora_rank=lora_rank, learning_rate=1e-2, kl_controller="budget", kl_target=0.02, **dict(extra))
     _assert_same_run(_one_process(tmp_path / "one", **kw), _sharded(tmp_path / "two", **kw), 1e-10)
-    assert any(r["kl_move_scale"] != 1.0 for r in _metrics(tmp_path / "one"))
+    rows = _metrics(tmp_path / "one")
+    assert any(r["kl_move_scale"] != 1.0 for r in rows)
+    assert any(r["step_rejected"] for r in rows) == bool(extra)
 
 
 def test_dynamic_sampling_on_two_ranks_equals_one_process(tmp_path):
@@ -176,6 +184,25 @@ def test_shared_draw_equals_one_process_when_one_rank_ends_early():
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count(": same tokens") == 2 and done.stdout.count("float32 gradients summed") == 2
+
+
+@pytest.mark.parametrize(("extra", "steps"), [
+    ((), ["gathers 1, readings 5, rejected False"] * 3),
+    (REJECTING, ["gathers 2, readings 3, rejected True", "gathers 1, readings 3, rejected False",
+                 "gathers 2, readings 3, rejected True"]),
+], ids=["moves", "rejects"])
+def test_the_leash_s_hold_gathers_the_weights_once_on_two_ranks(tmp_path, extra, steps):
+    """However many readings the budget's line search takes, its hold gathers the weights once,
+    and once more after a rejection, which restores the shards (see the script); the parity runs
+    above show the readings on the gathered weights equal one process's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(HERE / "sharded_hold_check.py"), str(tmp_path / "run"),
+           *[f"{k}={v}" for k, v in dict(extra).items()]]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for step, line in enumerate(steps, 1):  # both ranks print every step; their lines may interleave
+        assert done.stdout.count(f"step {step}: {line}") == 2, done.stdout
 
 
 @pytest.mark.parametrize(("overrides", "fragment"), [

@@ -11,7 +11,8 @@ layer plus the root. Rank r takes a contiguous block of the step's prompts with 
 answers (``Ranks.share``); losses divide by whole-batch denominators (``Ranks.total``) and
 gradients are summed, so the run equals one process. ``SharedDraw`` draws every rank's tokens
 with the very ``draw_categorical`` call one process makes. ``Ranks.unsharded()`` gathers the weights
-once for the no-grad passes (``tether.train.recipe_sharded``), so no collective depends on data.
+once for the no-grad passes (``tether.train.recipe_sharded``), so no collective depends on data;
+``GatheredLine`` keeps them gathered through the leash's hold, for all its readings.
 Rationale: docs/design.md.
 """
 
@@ -21,7 +22,7 @@ import atexit
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, TypeVar
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tether._compat import forget_forward_order
+from tether.control.budget import ReferenceLine
 from tether.models.records import HeadHidden
 from tether.models.reference import AdapterDisabledReference
 from tether.ops.checks import lookup, problems, whole_number
@@ -100,6 +102,7 @@ class Ranks:
     rank: int = 0
     device: torch.device = torch.device("cpu")  # where collectives run (NCCL needs CUDA tensors)
     units: list[tuple[nn.Module, bool]] = field(default_factory=list)  # FSDP units, reshard after forward?
+    gathered: bool = field(default=False, repr=False)  # inside an ``unsharded()`` block
 
     @property
     def writer(self) -> bool:
@@ -200,17 +203,66 @@ class Ranks:
 
     @contextmanager
     def unsharded(self) -> Iterator[None]:
-        """Every FSDP unit's full weights gathered for the block: its forwards need no collective."""
+        """Every FSDP unit's full weights gathered for the block: its forwards need no collective.
+        A block inside another gathers nothing and leaves them gathered for the outer one."""
+        if self.gathered:
+            yield
+            return
         for unit, _ in self.units:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
+        self.gathered = True
         try:
             yield
         finally:
+            self.gathered = False
             for unit, after_forward in self.units:
                 unit.reshard()
                 unit.set_reshard_after_forward(after_forward, recurse=False)
                 forget_forward_order(unit)  # the block's forwards may differ between ranks
+
+
+class GatheredLine:
+    """The run's ``ReferenceLine`` of sharded weights, held with every unit gathered once, from
+    construction to ``release``: each placement is made on the shards and, by the same
+    element-wise formula, on the gathered weights (a second ``ReferenceLine`` over them), so the
+    readings in between gather nothing. A rejection restores the shards, then gathers afresh.
+    Costs a gathered copy of the candidate's trainable weights while a move is searched."""
+
+    def __init__(self, line: Any, ranks: Ranks, policy: nn.Module, reference: nn.Module) -> None:
+        self.line, self.ranks, self.policy, self.reference = line, ranks, policy, reference
+        self._block = ExitStack()
+        self._gather()
+
+    def _gather(self) -> None:
+        self._block.enter_context(self.ranks.unsharded())
+        # While gathered, the modules' parameters are the full tensors, under the shards' names.
+        self.gathered_line = ReferenceLine(self.policy, self.reference)
+
+    def capture(self) -> None:
+        self.line.capture()
+        self.gathered_line.capture()
+
+    def place(self, scale: float) -> None:
+        self.line.place(scale)
+        self.gathered_line.place(scale)
+
+    def reject(self) -> None:
+        self.line.reject()  # the shards are the step's start again, captured as the candidate
+        self._block.close()
+        self._gather()
+        self.gathered_line.capture()
+
+    def release(self) -> None:
+        self.line.release()
+        self._block.close()
+
+
+def gathered_line(run: Any) -> Any:
+    """``run.line`` for a hold: as it is in one process, a ``GatheredLine`` over several ranks."""
+    if run.ranks.size == 1:
+        return run.line
+    return GatheredLine(run.line, run.ranks, run.models.policy, run.models.reference)
 
 
 class SharedDraw:

@@ -40,6 +40,7 @@ from tether.ops import aggregate, kl_k1, kl_k3
 from tether.ops.checks import lookup
 from tether.ops.masks import even_slices
 from tether.train.run_files import describe_checkpoints
+from tether.train.sharding import gathered_line
 
 
 @dataclass
@@ -253,8 +254,9 @@ def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM
     if run.line is None:  # built by build_run for the budget or a ceiling
         return None
     start, ceiling = time.perf_counter(), run.cfg.kl_bound or math.inf
+    held = gathered_line(run)  # on several ranks the weights are gathered once for every reading
     readings = KLReadings(run, record, confirm_every)
-    line = TrackedLine(run.line, readings)
+    line = TrackedLine(held, readings)
     try:
         if run.cfg.kl_controller == "budget":
             move = run.controller.hold(line, readings, ceiling=ceiling)
@@ -266,7 +268,7 @@ def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM
                 scale, kept, spent = pull_under_ceiling(line, readings, kl, ceiling=ceiling, aim=aim)
             move = BudgetMove(kl, kept, scale, 1 + spent)
     finally:
-        run.line.release()
+        held.release()
     return dataclasses.replace(move, seconds=time.perf_counter() - start)
 
 
