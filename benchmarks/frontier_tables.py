@@ -5,7 +5,7 @@ gain over the untrained model, the forgetting axis, and its residual against a c
 curve (``CURVE_OF``: full fine-tuning's for the fully fine-tuned moving reference, LoRA's for
 every other variant, drawn again from the 48-step ``long-`` points for the long runs). A curve: its
 constant-beta points' means (beta = 0 included), ordered by mean KL and
-joined by straight lines, its end segments extended beyond them; a run's residual is its accuracy
+joined by straight lines, the first extended below them and flat beyond the last; a run's residual is its accuracy
 less the curve at its own KL, and a point's residual is the mean and t interval of its runs'.
 That interval is over the point's seeds only; a second one adds the curve's own noise. Records of ``--quick``
 runs are never shown; ``--reduced`` ones get their own, labelled table. The power table pools
@@ -68,19 +68,23 @@ def _xy(stats: list[tuple[float, float, float, int]]) -> list[tuple[float, float
 
 
 def _segment(knots: list[tuple[float, float]], kl: float) -> tuple[int, float, float]:
-    """``(i, w0, w1)``: the curve at ``kl`` is ``w0`` x knot ``i - 1``'s accuracy + ``w1`` x knot ``i``'s."""
+    """``(i, w0, w1)``: the curve at ``kl`` is ``w0`` x knot ``i - 1``'s accuracy + ``w1`` x knot ``i``'s.
+    Below the first knot the first segment is extended; beyond the last (no constant beta, not even
+    0, ended further out) the curve stays at the last knot's accuracy, so a run there is compared
+    with that knot itself, not with a line whose weights would multiply both knots' noise."""
     if len(knots) < 2:
         raise ValueError(f"knots: expected at least two constant-beta points to draw a curve, got {len(knots)}.")
     i = 1
     while i < len(knots) - 1 and kl > knots[i][0]:
         i += 1
     (x0, _), (x1, _) = knots[i - 1], knots[i]
-    w1 = 0.0 if x1 == x0 else (kl - x0) / (x1 - x0)
+    w1 = min(0.0 if x1 == x0 else (kl - x0) / (x1 - x0), 1.0)
     return i, 1.0 - w1, w1
 
 
 def on_curve(knots: list[tuple[float, float]], kl: float) -> float:
-    """The curve's accuracy at ``kl``: linear between the knots around it, the end segments extended."""
+    """The curve's accuracy at ``kl``: linear between the knots around it, the first segment extended
+    below them, flat at the last knot beyond them (``_segment``)."""
     i, w0, w1 = _segment(knots, kl)
     return w0 * knots[i - 1][1] + w1 * knots[i][1]
 

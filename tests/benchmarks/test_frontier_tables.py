@@ -25,12 +25,13 @@ RECORDS = [_record("constant-0.1", 0, 1.0, 0.40), _record("constant-0.1", 1, 2.0
            _record("base", 0, 0.0, 0.20), _record("base", 1, 0.0, 0.20)]
 
 
-def test_the_curve_joins_the_constant_beta_means_and_extends_its_end_segments():
+def test_the_curve_joins_the_constant_beta_means_extends_its_first_segment_and_stays_flat_beyond():
     """Knots: constant-0.3 at (0.5, 0.30), constant-0.1 at (1.5, 0.45): slope 0.15 a nat, so
-    KL 1.0 reads 0.375, KL 2.5 (beyond) 0.60, KL 0 (before) 0.225."""
+    KL 1.0 reads 0.375 and KL 0 (before, the first segment extended) 0.225; KL 2.5 (beyond the
+    last knot) reads the last knot's 0.45, not the extended line's 0.60."""
     knots = frontier_tables.curve(RECORDS)
     assert [v for knot in knots for v in knot] == pytest.approx([0.5, 0.30, 1.5, 0.45])
-    for kl, accuracy in ((1.0, 0.375), (2.5, 0.60), (0.0, 0.225), (0.5, 0.30)):
+    for kl, accuracy in ((1.0, 0.375), (2.5, 0.45), (0.0, 0.225), (0.5, 0.30), (1.5, 0.45)):
         assert frontier_tables.on_curve(knots, kl) == pytest.approx(accuracy, abs=1e-12)
     with pytest.raises(ValueError, match="knots: expected at least two"):
         frontier_tables.on_curve(knots[:1], 1.0)
@@ -107,6 +108,19 @@ def test_the_residual_with_the_curves_noise_adds_each_knots_variance_by_its_weig
     assert (mean, low, high) == pytest.approx((0.035, 0.035 - half, 0.035 + half), abs=1e-12)
     row = next(line for line in frontier_tables.points_table(RECORDS, "full").splitlines() if line.startswith("| budget-t1 |"))
     assert "| +3.5 (-9.2 to +16.2) | +3.5 (-30.7 to +37.7) |" in row
+
+
+def test_beyond_the_last_knot_a_run_is_read_against_that_knot_alone():
+    """budget-moving-t1 at KL 2.5, past the last knot (1.5, 0.45), reads 0.50 and 0.52: residuals +5
+    and +7 points against 0.45 (the extended line would say 0.60), mean +6. With the curve's noise:
+    the runs' variance of the mean 2e-4 / 2 = 1e-4 (df 1) plus constant-0.1's 0.0025 at weight 1
+    (the line's weights -1 and 2 would have added 4 x 0.0025): 0.0026, Welch df 0.0026^2 / (1e-8 +
+    6.25e-6) = 1.08, rounded down to 1: half-width 12.706 x sqrt(0.0026) = 0.64788."""
+    runs = [_record("budget-moving-t1", 0, 2.5, 0.50), _record("budget-moving-t1", 1, 2.5, 0.52)]
+    assert frontier_tables.residuals(runs, frontier_tables.curve(RECORDS)) == pytest.approx([0.05, 0.07], abs=1e-12)
+    mean, low, high = frontier_tables.residual_with_curve(runs, frontier_tables.curve_knots(RECORDS, "constant"))
+    half = 12.706 * 0.0026 ** 0.5
+    assert (mean, low, high) == pytest.approx((0.06, 0.06 - half, 0.06 + half), abs=1e-12)
 
 
 def test_the_residual_with_the_curves_noise_has_no_bounds_when_a_knot_has_one_seed():
