@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.train.test_kl_budget import BUDGET, _moved_away
+from tests.train.test_models_devices import IDS, _save_adapter, _tiny_base, _token_logprobs
 from tests.train.test_recipe import _metrics, _weights, interrupted_train, prepared, tiny_cfg
+from tether.models.reference import AdapterDisabledReference
 from tether.models.scoring import exact_kl_tokens
 from tether.train.recipe import build_run, train
 from tether.train.variants import hold_original_budget, original_model
@@ -148,3 +150,25 @@ def test_kl_adaptive_lr_needs_the_budget(tmp_path):
         tiny_cfg(tmp_path / "run", **{**ADAPTIVE, "kl_controller": "target"}).validate()
     with pytest.raises(ValueError, match="kl_adaptive_lr_gain"):
         tiny_cfg(tmp_path / "run", **{**ADAPTIVE, "kl_adaptive_lr_gain": 1.5}).validate()
+
+
+def test_a_continued_adapter_keeps_the_model_it_loaded_as_the_original(tmp_path):
+    """With ``adapter=DIR`` the original is the adapter's model as loaded (a frozen copy: pulling
+    back to the base would undo the adapter's earlier training), not the adapter switched off;
+    the reference moves in a 5-step run all the same, and every kept step's KL to that original
+    is logged under the cumulative budget."""
+    _save_adapter(tmp_path / "adapter")
+    base, _ = _tiny_base()
+    cfg = tiny_cfg(tmp_path / "run", adapter=str(tmp_path / "adapter"), lora_rank=4, steps=5, **MOVING)
+    with pytest.warns(UserWarning, match="continuing its LoRA"):
+        run = build_run(cfg)
+    original = original_model(run)
+    assert not isinstance(original, AdapterDisabledReference) and original is not run.models.reference
+    loaded = _token_logprobs(run.models.policy, IDS)
+    torch.testing.assert_close(_token_logprobs(original, IDS), loaded, rtol=0, atol=1e-12)
+    assert (loaded - _token_logprobs(base.double(), IDS)).abs().max() > 1e-2
+    with pytest.warns(UserWarning, match="continuing its LoRA"):
+        train(cfg, progress=False)
+    rows = _metrics(tmp_path / "run")
+    assert rows[-1]["reference_moves"] >= 1
+    assert all(row["kl_to_base_per_seq"] <= cfg.reference_move_budget for row in rows)

@@ -2,11 +2,11 @@
 
 ``reference_move`` (a reference that moves when the budget binds): the run keeps the original
 model beside the reference the budget holds to (a frozen copy; with a new LoRA adapter, the
-adapter switched off). After the budget's move, once
-the reference has moved at least once, the kept weights' KL per answer to the original is read
-on the step's answers and, above ``reference_move_budget``, pulled back along the line to the
-original (``pull_under_ceiling``, the ceiling's own mechanism); then ``ReferenceMover`` counts the
-step and moves the reference after ``reference_move_after`` pulled-back steps in a row. Before
+adapter switched off). After the budget's move, once the reference has moved at least once, the
+kept weights' KL per answer to the original is read on the step's answers and, above
+``reference_move_budget``, pulled back along the line to the original (``pull_under_ceiling``,
+the ceiling's own mechanism); then ``ReferenceMover`` counts the step and moves the reference
+after ``reference_move_after`` pulled-back steps in a row. Before
 the first move the reference is the original, so the reading is the budget's own
 (``kl_kept_per_seq``) and no forward is spent. ``kl_adaptive_lr`` (a learning rate that follows
 the budget): ``BudgetLR`` scales the next step's learning rate by the scale the budget kept.
