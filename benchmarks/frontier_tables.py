@@ -150,7 +150,8 @@ def points_table(records: list[dict[str, Any]], mode: str) -> str:
         noisy = "–" if len(knots) < 2 else _span(*(100 * v for v in residual_with_curve(rs, stats[against])), fmt="{:+.1f}")
         mean_kl = sum(r["heldout_kl_sampled_per_seq"] for r in rs) / len(rs)
         outside = knots and not knots[0][0] <= mean_kl <= knots[-1][0]
-        lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')} "
+        paired = "" if len(gains) == len(rs) else f" ({len(gains)} of {len(rs)} seeds: the others have no base run)"
+        lines.append(f"| {point} | {len(rs)} | {_cell([r['heldout_accuracy'] for r in rs], 100)} | {_cell(gains, 100, '{:+.1f}')}{paired} "
                      f"| {_cell([r['heldout_kl_sampled_per_seq'] for r in rs], fmt='{:.2f}')} | {residual}"
                      f"{' (extrapolated)' if outside and residual != '–' else ''} | {noisy} "
                      f"| {_cell([r.get('forgetting_kl_sampled_per_seq') for r in rs], fmt='{:.2f}')} "

@@ -43,6 +43,10 @@ def test_a_variants_residual_is_its_runs_mean_over_the_curve_with_the_t_interval
     table = frontier_tables.points_table(RECORDS, "full")
     row = next(line for line in table.splitlines() if line.startswith("| budget-t1 |"))
     assert "| +3.5 (-9.2 to +16.2) |" in row and "| 2 | 41.0 (28.3 to 53.7) | +21.0 (+8.3 to +33.7) |" in row
+    # a seed without a base run has no gain, and the cell says how many seeds it pairs
+    third = frontier_tables.points_table(RECORDS + [_record("budget-t1", 2, 1.0, 0.41)], "full")
+    row = next(line for line in third.splitlines() if line.startswith("| budget-t1 |"))
+    assert "| +21.0 (+8.3 to +33.7) (2 of 3 seeds: the others have no base run) |" in row
     assert next(line for line in table.splitlines() if line.startswith("| constant-0.1 |")).count("| – |") == 1
     assert [line.split(" | ")[0] for line in table.splitlines()[2:6]] == ["| base", "| constant-0.1", "| constant-0.3",
                                                                           "| budget-t1"]
