@@ -24,7 +24,6 @@ from torch import nn
 
 from tether.control.budget import BudgetMove, ReferenceLine, pull_under_ceiling
 from tether.control.reference_move import ReferenceMover
-from tether._compat import has_tuner_layers
 from tether.models import TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.records import StepRecord
 from tether.train.updates import CEILING_AIM, KLReadings, TrackedLine
@@ -50,7 +49,7 @@ def moving_reference(cfg: Any, models: Any) -> MovingReference | None:
         return None
     # A new adapter starts at lora_B = 0: the original is the adapter switched off (no copy), and
     # the line to it scales lora_B, which is the adapted weights' own line.
-    fresh_adapter = has_tuner_layers(models.policy) and not cfg.adapter
+    fresh_adapter = cfg.lora_rank and not cfg.adapter  # build_models' own branches
     original = adapter_disabled(models.policy) if fresh_adapter else frozen_copy(models.policy)
     mover = ReferenceMover(models.policy, models.movable_reference, mode=cfg.reference_move,
                            after=cfg.reference_move_after, alpha=cfg.reference_move_alpha)
