@@ -298,6 +298,11 @@ class ReferenceLine:
         self._start = [(p, p.detach().clone(), _copy_state(optimizer.state.get(p, {})))
                        for group in optimizer.param_groups for p in group["params"]]
 
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The trainable tensors on the line, in its order."""
+        return [param for param, _ in self._pairs]
+
     @torch.no_grad()
     def capture(self) -> None:
         """Take the current weights as ``s = 1`` (a copy of each tensor on the line)."""

@@ -31,14 +31,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from tether._compat import disk_full
 from tether.models.weights import load_named
 from tether.train.config import TrainConfig
 from tether.train.run_dir import NOT_COMPARED, RESUMABLE_KEYS, changed_keys
 from tether.train.run_files import checkpoint_dirs
-from tether.train.sharding import is_writer
+from tether.train.sharding import is_writer, shard_like
 
 
 MANIFEST = "manifest.json"
@@ -64,21 +64,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).contiguous()
 
 
-def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A full saved tensor laid out as ``param``: this rank's shard of it when ``param`` is sharded."""
-    if not isinstance(param, DTensor):
-        return value
-    value = value.to(dtype=param.dtype, device=param.device_mesh.device_type)
-    return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-
-
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _as_params(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters(remove_duplicate=False))
-    return {n: _like(v, params[n]) if n in params else v for n, v in weights.items()}
+    return {n: shard_like(v, params[n]) if n in params else v for n, v in weights.items()}
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -100,7 +92,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torc
     for key, value in list(tensors.items()) + list(meta["scalars"].items()):
         idx, name = key.split(".", 1)
         sharded = torch.is_tensor(value) and int(idx) < len(params) and value.shape == params[int(idx)].shape
-        state.setdefault(int(idx), {})[name] = _like(value, params[int(idx)]) if sharded else value
+        state.setdefault(int(idx), {})[name] = shard_like(value, params[int(idx)]) if sharded else value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
