@@ -81,18 +81,22 @@ def run_variant(variant: str, seed: int, args: argparse.Namespace) -> dict:
 
 
 def table(records: list[dict]) -> list[str]:
-    """A markdown row per variant: mean and 95 % t interval over its seeds."""
-    lines = ["| variant | seeds | held-out accuracy (%) | held-out sampled KL / answer | mean cut fraction |",
-             "|---|---|---|---|---|"]
+    """A markdown row per variant and device: mean and 95 % t interval over its seeds (CPU and GPU
+    runs differ in dtype and kernels, so their seeds are not pooled)."""
+    lines = ["| variant | device | seeds | held-out accuracy (%) | held-out sampled KL / answer | mean cut fraction |",
+             "|---|---|---|---|---|---|"]
+    devices = sorted({r["config"]["device"] for r in records})
     for variant in VARIANTS:
-        runs = [r for r in records if r["variant"] == variant]
-        if not runs:
-            continue
-        acc = interval([100 * r["accuracy_after"] for r in runs])
-        kl = interval([r["eval_kl_sampled_per_seq"] for r in runs])
-        cut = [c for r in runs for c in r["clip_fraction"]]
-        lines.append(f"| {variant} | {len(runs)} | {acc[0]:.1f} [{acc[1]:.1f}, {acc[2]:.1f}] | "
-                     f"{kl[0]:.3f} [{kl[1]:.3f}, {kl[2]:.3f}] | {sum(cut) / len(cut):.3f} |")
+        for device in devices:
+            runs = [r for r in records if r["variant"] == variant and r["config"]["device"] == device]
+            if not runs:
+                continue
+            acc = interval([100 * r["accuracy_after"] for r in runs])
+            kl = interval([r["eval_kl_sampled_per_seq"] for r in runs])
+            cut = [c for r in runs for c in r["clip_fraction"]]
+            lines.append(f"| {variant} | {device} | {', '.join(str(r['seed']) for r in runs)} | "
+                         f"{acc[0]:.1f} [{acc[1]:.1f}, {acc[2]:.1f}] | {kl[0]:.3f} [{kl[1]:.3f}, {kl[2]:.3f}] | "
+                         f"{sum(cut) / len(cut):.3f} |")
     return lines
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from _stats import interval  # noqa: E402
 import default_run_tables  # noqa: E402
+import estimators  # noqa: E402
 import frontier_tables  # noqa: E402
 import gpu_tables  # noqa: E402
 import leash_diagnosis_tables  # noqa: E402
@@ -254,6 +255,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
                                                                          _results.read("leash"))),
     "leash-grid-runs": ("docs/leash.md", lambda: grid_provenance(_results.read("leash"))),
     "sharded": ("docs/scaling.md", lambda: sharded.table(_results.read("sharded"))),
+    "estimators": ("docs/objectives.md", lambda: "\n".join(estimators.table(_results.read("estimators")))),
     **default_run_tables.TABLES,
     **frontier_tables.TABLES,
     **tool_tables.TABLES,

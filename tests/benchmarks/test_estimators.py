@@ -40,12 +40,19 @@ def test_unknown_variants_are_refused():
 
 def test_table_means_and_intervals_by_hand():
     """Accuracies 0.5 and 0.7: mean 60 %, sd 14.142, half-width t(1) 12.706 x 14.142 / sqrt 2 = 127.06.
-    KLs 1 and 3: mean 2, half-width 12.706 x 1.4142 / 1.4142 = 12.706. Cut fractions 0, 0.5, 0.1, 0.2: 0.2."""
-    runs = [{"variant": "dppo-tv", "accuracy_after": 0.5, "eval_kl_sampled_per_seq": 1.0, "clip_fraction": [0.0, 0.5]},
-            {"variant": "dppo-tv", "accuracy_after": 0.7, "eval_kl_sampled_per_seq": 3.0, "clip_fraction": [0.1, 0.2]}]
+    KLs 1 and 3: mean 2, half-width 12.706 x 1.4142 / 1.4142 = 12.706. Cut fractions 0, 0.5, 0.1, 0.2: 0.2.
+    A third run on cuda is a row of its own: one seed, no interval (NaN bounds), its own cut mean."""
+    cpu, cuda = {"device": "cpu"}, {"device": "cuda"}
+    runs = [{"variant": "dppo-tv", "seed": 0, "config": cpu, "accuracy_after": 0.5, "eval_kl_sampled_per_seq": 1.0,
+             "clip_fraction": [0.0, 0.5]},
+            {"variant": "dppo-tv", "seed": 1, "config": cuda, "accuracy_after": 0.9, "eval_kl_sampled_per_seq": 0.5,
+             "clip_fraction": [0.3]},
+            {"variant": "dppo-tv", "seed": 3, "config": cpu, "accuracy_after": 0.7, "eval_kl_sampled_per_seq": 3.0,
+             "clip_fraction": [0.1, 0.2]}]
     lines = estimators.table(runs)
-    assert lines[2] == "| dppo-tv | 2 | 60.0 [-67.1, 187.1] | 2.000 [-10.706, 14.706] | 0.200 |"
-    assert len(lines) == 3
+    assert lines[2] == "| dppo-tv | cpu | 0, 3 | 60.0 [-67.1, 187.1] | 2.000 [-10.706, 14.706] | 0.200 |"
+    assert lines[3] == "| dppo-tv | cuda | 1 | 90.0 [nan, nan] | 0.500 [nan, nan] | 0.300 |"
+    assert len(lines) == 4
 
 
 def test_quick_run_records_each_variant(tmp_path):
