@@ -131,21 +131,52 @@ def test_no_scale_under_the_top_rejects_the_update():
 
 def test_a_ceiling_pulls_the_kept_weights_under_it():
     """KL = s^2, target 2 without push: 1.0 is in the band, kept; a ceiling of 0.5 then captures the
-    weights and aims at min(2, 0.5) with KL ~ s^2: (0.5 / 1)^(1/2) = 0.707, more than half, so 0.5:
-    KL 0.25, one more reading over every answer."""
+    weights and aims at min(2, 0.9 x 0.5) = 0.45 with KL ~ s^2: s = (0.45 / 1)^(1/2) = 0.67082,
+    more than half, so taken: KL 0.45, one more reading over every answer."""
     plant = Plant(lambda s: s * s)
     move = plant.hold(_ctl(push=False), ceiling=0.5)
-    assert (move.scale, move.kl_kept, move.forwards, plant.captures) == (0.5, 0.25, 2, 1)
+    assert move.scale == pytest.approx(math.sqrt(0.45), rel=1e-12)
+    assert move.kl_kept == pytest.approx(0.45, rel=1e-12) and (move.forwards, plant.captures) == (2, 1)
 
 
 def test_a_rejected_start_over_the_ceiling_is_pulled_under_it():
     """Every scale reads 100 (top 2.5), so the update is rejected; the start reads 5 > ceiling 4. The
-    search's refit exponent hit its floor 0.5 (equal readings), so the pull aims at the target 2 with
-    (2 / 5)^(1 / 0.5) = 0.16 of the start's line: KL 5 * 0.16^2 = 0.128 on the plant's s^2 line."""
+    search's refit exponent hit its floor 0.5 (equal readings), so the pull's model asks for
+    (2 / 5)^(1 / 0.5) = 0.16 of the start's line; no try goes below half, so 0.5: KL 5 x 0.5^2 =
+    1.25 on the plant's s^2 line, under 4, one reading."""
     plant = Plant(lambda s: 100.0, start_kl=5.0)
     move = plant.hold(_ctl(max_forwards=2), ceiling=4.0)
-    assert move.rejected and move.scale == pytest.approx(0.16) and move.kl_kept == pytest.approx(0.128)
+    assert move.rejected and move.scale == 0.5 and move.kl_kept == 1.25
     assert plant.moves[-1] == move.scale and move.forwards == 4
+
+
+def test_a_pull_lands_at_its_aim_not_at_a_quarter():
+    """KL = 2.2 s^2 over a ceiling of 2 with no aim of its own: the goal is 0.9 x 2 = 1.8, reached in
+    one try at s = (1.8 / 2.2)^(1/2) = 0.90453 (before, every try at least halved the scale: KL 0.55)."""
+    plant = Plant(lambda s: 2.2 * s * s)
+    scale, kl, spent = pull_under_ceiling(plant, plant.measure, 2.2, ceiling=2.0)
+    assert scale == pytest.approx(math.sqrt(1.8 / 2.2), rel=1e-12) and kl == pytest.approx(1.8, rel=1e-12)
+    assert spent == 1 and plant.captures == 1
+
+
+def test_a_pull_refits_the_power_after_each_reading():
+    """KL = s (linear, where the first model says s^2), ceiling 0.5, goal 0.45: the first try at
+    s = 0.45^(1/2) = 0.67082 reads 0.67082, over; the refit exponent is log(0.67082) / log(0.67082)
+    = 1, so the second try takes 0.45 / 0.67082 of it: s = 0.45, KL 0.45. (Kept at power 2 the
+    tries would close in on 0.45 from above as sqrt(0.45 KL) and spend all eight readings.)"""
+    plant = Plant(lambda s: s)
+    scale, kl, spent = pull_under_ceiling(plant, plant.measure, 1.0, ceiling=0.5)
+    assert plant.moves == pytest.approx([math.sqrt(0.45), 0.45], rel=1e-12)
+    assert (scale, kl, spent) == pytest.approx((0.45, 0.45, 2), rel=1e-12)
+
+
+def test_each_pull_try_at_most_halves_the_scale():
+    """KL = 100 s^2, ceiling 4, aim 1: the model asks for s = 0.1, but a try takes at most half:
+    0.5 (KL 25), then (1 / 25)^(1/2) = 0.2 -> half again, 0.25 (KL 6.25), then 0.4 -> half, 0.125
+    (KL 1.5625 <= 4): three readings."""
+    plant = Plant(lambda s: 100.0 * s * s)
+    scale, kl, spent = pull_under_ceiling(plant, plant.measure, 100.0, ceiling=4.0, aim=1.0)
+    assert plant.moves == [0.5, 0.25, 0.125] and (scale, kl, spent) == (0.125, 1.5625, 3)
 
 
 @pytest.mark.parametrize("where", ["first", "search"])

@@ -31,9 +31,11 @@ from tether.ops.checks import real_number, whole_number
 
 __all__ = ["BudgetKLController", "BudgetMove", "Line", "ReferenceLine", "pull_under_ceiling"]
 
-# Readings the ceiling may spend pulling kept weights back; each aims at the target, so one
+# Readings the ceiling may spend pulling kept weights back; each aims under the ceiling, so one
 # is the rule (the KL shrinks with the scale) and a curve that does not shrink is an error.
 CEILING_READINGS = 8
+# A pull lands this far under the ceiling when its aim does not ask for less: one reading's margin.
+CEILING_AIM = 0.9
 
 
 class Line(Protocol):
@@ -220,8 +222,8 @@ class BudgetKLController:
                 break  # pushed to the reach and still under the target
             move(guess)
             points[guess] = _finite(measure(), f"scale {guess:g}")
-            if points[guess] > 0 and kl > 0:  # refit the exponent on the last two points
-                self.power = min(max(math.log(points[guess] / kl) / math.log(guess / last), 0.5), 4.0)
+            if points[guess] > 0 and kl > 0:
+                self.power = fitted_power(last, kl, guess, points[guess])
             last = guess
             if abs(points[guess] - self.target) <= near:
                 return guess
@@ -251,23 +253,32 @@ class BudgetKLController:
         return f"{type(self).__name__}(kl_coef={self._coef}, {config})"
 
 
-def pull_under_ceiling(line: Line, measure: Measure, kl: float, *, ceiling: float, aim: float,
+def fitted_power(scale_a: float, kl_a: float, scale_b: float, kl_b: float) -> float:
+    """The exponent of ``KL ~ s**power`` through two readings (positive KLs, distinct scales),
+    held to [0.5, 4]: a flat pair reads 0.5, the most cautious model a next guess uses."""
+    return min(max(math.log(kl_b / kl_a) / math.log(scale_b / scale_a), 0.5), 4.0)
+
+
+def pull_under_ceiling(line: Line, measure: Measure, kl: float, *, ceiling: float, aim: float = math.inf,
                        power: float = 2.0) -> tuple[float, float, int]:
     """Pull the current weights (reading ``kl`` > ``ceiling``) back along their line to the
     reference until a reading over every answer is at most ``ceiling``.
 
-    Each try aims at ``min(aim, ceiling)`` with the model ``KL ~ s**power`` and at most halves
-    the scale. Returns ``(scale, kl, readings)``: the scale kept relative to the weights given,
-    its KL, the readings spent. A KL that does not shrink along the line raises ``ValueError``."""
-    goal, scale, seen = min(aim, ceiling), 1.0, [kl]
+    Each try aims at ``min(aim, CEILING_AIM * ceiling)`` with the model ``KL ~ s**power``, refitted
+    on the last two readings after each, and no try takes the scale below half the last one (a
+    power read too low must not throw the weights most of the way back). Returns ``(scale, kl,
+    readings)``: the scale kept relative to the weights given, its KL, the readings spent. A KL
+    that does not shrink along the line raises ``ValueError``."""
+    goal, scale, seen = min(aim, CEILING_AIM * ceiling), 1.0, [kl]
     line.capture()
     for spent in range(1, CEILING_READINGS + 1):
-        scale *= min((goal / kl) ** (1 / power), 0.5)
+        last, scale = scale, scale * max((goal / kl) ** (1 / power), 0.5)
         line.place(scale)
         kl = _finite(measure(full=True), f"scale {scale:g} under the ceiling")
         seen.append(kl)
         if kl <= ceiling:
             return scale, kl, spent
+        power = fitted_power(last, seen[-2], scale, kl)
     raise ValueError(
         f"kl_bound: the KL did not fall under the ceiling {ceiling:g} along the line to the reference (readings "
         f"{[round(v, 4) for v in seen]} down to scale {scale:.3g}); the KL reading does not shrink toward the "

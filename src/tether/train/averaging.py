@@ -28,7 +28,7 @@ from torch import nn
 
 from tether.control.budget import BudgetKLController, BudgetMove, ReferenceLine, pull_under_ceiling
 from tether.models.records import StepRecord
-from tether.train.updates import CEILING_AIM, KLReadings, TrackedLine
+from tether.train.updates import KLReadings, TrackedLine
 
 __all__ = ["FINISH_KEYS", "WeightAverage", "config_problems", "finish_step", "land_on_target", "weight_average"]
 
@@ -105,14 +105,14 @@ def _hold_average(run: Any, record: StepRecord, line: Any) -> tuple[float, float
     band's upper edge (``kl_target (1 + kl_band / 2)``, where its search starts) or ``kl_bound``, they are
     pulled back along the line to the reference toward the target, as a step's kept weights are."""
     cfg, ceiling = run.cfg, run.cfg.kl_bound or math.inf
-    aim = min(cfg.kl_target, CEILING_AIM * ceiling)
     if cfg.kl_controller == "budget":
-        ceiling, aim = min(ceiling, cfg.kl_target * (1 + cfg.kl_band / 2)), cfg.kl_target
+        ceiling = min(ceiling, cfg.kl_target * (1 + cfg.kl_band / 2))
     readings = KLReadings(run, record, confirm_every=1)
     kl, scale = readings(full=True), 1.0
     try:
         if kl > ceiling:
-            scale, kl, _ = pull_under_ceiling(TrackedLine(line, readings), readings, kl, ceiling=ceiling, aim=aim)
+            scale, kl, _ = pull_under_ceiling(TrackedLine(line, readings), readings, kl, ceiling=ceiling,
+                                              aim=cfg.kl_target)
     finally:
         line.release()
     return kl, scale

@@ -241,10 +241,6 @@ def mark_step_start(run: Any) -> None:
         run.line.start(run.optimizer)
 
 
-# Without a target of its own (constant beta) the ceiling pulls kept weights back this far under kl_bound.
-CEILING_AIM = 0.9
-
-
 @torch.no_grad()
 def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM_EVERY) -> BudgetMove | None:
     """After the optimizer step: the leash on the weights kept. ``kl_controller=budget`` moves the
@@ -264,8 +260,7 @@ def hold_kl_budget(run: Any, record: StepRecord, *, confirm_every: int = CONFIRM
             kl = readings(full=True)
             scale, kept, spent = 1.0, kl, 0
             if kl > ceiling:
-                aim = min(run.cfg.kl_target, CEILING_AIM * ceiling)
-                scale, kept, spent = pull_under_ceiling(line, readings, kl, ceiling=ceiling, aim=aim)
+                scale, kept, spent = pull_under_ceiling(line, readings, kl, ceiling=ceiling, aim=run.cfg.kl_target)
             move = BudgetMove(kl, kept, scale, 1 + spent)
     finally:
         held.release()

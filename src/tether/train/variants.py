@@ -26,7 +26,7 @@ from tether.control.budget import BudgetMove, ReferenceLine, pull_under_ceiling
 from tether.control.reference_move import ReferenceMover
 from tether.models import TransformersWrapper, adapter_disabled, frozen_copy
 from tether.models.records import StepRecord
-from tether.train.updates import CEILING_AIM, KLReadings, TrackedLine
+from tether.train.updates import KLReadings, TrackedLine
 
 __all__ = ["BudgetLR", "MovingReference", "budget_lr", "hold_original_budget", "hold_variants", "moving_reference", "original_model"]
 
@@ -79,7 +79,7 @@ def hold_original_budget(run: Any, record: StepRecord, kept: float) -> dict[str,
     if kl > moving.budget:
         try:
             scale, kl, _ = pull_under_ceiling(TrackedLine(moving.line, readings), readings, kl,
-                                              ceiling=moving.budget, aim=CEILING_AIM * moving.budget)
+                                              ceiling=moving.budget)
         finally:
             moving.line.release()
     return {"kl_to_base_per_seq": kl, "kl_to_base_scale": scale}
