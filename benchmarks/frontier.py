@@ -24,6 +24,7 @@ label their records ``mode``.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -142,9 +143,22 @@ def trained_point(point: str, seed: int, mode: Mode, args: argparse.Namespace) -
         "train_kl_exact_per_seq": summary["final_train_kl_exact_per_seq"], "steps": cfg.steps,
         "steps_rejected": summary["steps_rejected"], "steps_over_kl_bound": summary["steps_over_kl_bound"],
         "per_problem": summary["per_problem_after"], **_forgetting_fields(lost), "lora_rank": cfg.lora_rank,
-        "final_interpolation": summary.get("final_interpolation"),
+        "final_interpolation": summary.get("final_interpolation"), **pulled_steps(Path(cfg.out)),
         "seconds": time.perf_counter() - start,
     }]
+
+
+def pulled_steps(run_dir: Path) -> dict[str, list[dict[str, float]]]:
+    """The steps whose kept weights were moved back, from the run's ``metrics.jsonl``: ``pulled``,
+    along the line to the reference (the budget's move or the ceiling's pull: ``kl_move_scale`` < 1),
+    and ``pulled_to_base``, by the moving reference's cumulative budget (``kl_to_base_scale`` < 1)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {
+        "pulled": [{"step": r["step"], "kl_before": r["kl_move_before_per_seq"], "scale": r["kl_move_scale"],
+                    "kl_kept": r["kl_kept_per_seq"]} for r in rows if r.get("kl_move_scale", 1.0) != 1.0],
+        "pulled_to_base": [{"step": r["step"], "scale": r["kl_to_base_scale"], "kl_kept": r["kl_to_base_per_seq"]}
+                           for r in rows if r.get("kl_to_base_scale", 1.0) != 1.0],
+    }
 
 
 def _forgetting_fields(lost) -> dict[str, Any]:

@@ -4,6 +4,7 @@ its analytic KL; a second call skips what is recorded; the time budget leaves jo
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -41,6 +42,21 @@ def test_each_record_has_the_spec_keys_and_one_verdict_per_heldout_problem(recor
     assert trained["kl_coef"] == 0.1 and trained["steps"] == 2 and trained["heldout_kl_sampled_per_seq"] > 0
     assert trained["forgetting_kl_sampled_per_seq"] > 0 and 0 <= trained["capability_rate"] <= 1
     assert records["base"]["forgetting_kl_sampled_per_seq"] == 0.0  # the reference against itself
+
+
+def test_a_record_lists_the_steps_whose_kept_weights_were_pulled_back(recorded, tmp_path):
+    """Steps 1-3 of a hand-written log: step 1 kept as it was, step 2 pulled by the ceiling from 4.5
+    to 3.6 at scale 0.894, step 3 pulled by the cumulative budget to 1.8 at 0.9; the quick run's
+    record carries the two lists (its 2 steps at beta 0.1 pull nothing)."""
+    rows = [{"step": 1, "kl_move_before_per_seq": 0.5, "kl_move_scale": 1.0, "kl_kept_per_seq": 0.5},
+            {"step": 2, "kl_move_before_per_seq": 4.5, "kl_move_scale": 0.894, "kl_kept_per_seq": 3.6},
+            {"step": 3, "kl_move_before_per_seq": 0.2, "kl_move_scale": 1.0, "kl_kept_per_seq": 0.2,
+             "kl_to_base_scale": 0.9, "kl_to_base_per_seq": 1.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert frontier.pulled_steps(tmp_path) == {
+        "pulled": [{"step": 2, "kl_before": 4.5, "scale": 0.894, "kl_kept": 3.6}],
+        "pulled_to_base": [{"step": 3, "scale": 0.9, "kl_kept": 1.8}]}
+    assert recorded[2]["constant-0.1"]["pulled"] == [] and recorded[2]["constant-0.1"]["pulled_to_base"] == []
 
 
 def test_best_of_n_sits_at_the_analytic_kl_and_never_loses_accuracy_as_n_grows(recorded):
