@@ -3,11 +3,10 @@
 Each trained point is a default ``tether train`` run (the embedded model, 16 steps) with only the
 leash changed and 500 held-out problems: constant beta in {0, 0.05, 0.1, 0.2, 0.3}, the budget at
 targets 1-4 plain and with ``kl_push``, ``kl_adaptive_lr`` or ``weight_average``, beta 0 landed on
-1-4 at the end (``final_kl_target``), the moving reference (``budget-moving-*``; ``-tight-`` holds it
-within 2x the target of the original), and, fully fine-tuned (``lora_rank=0``), constant beta and the
-moving reference again (``full-*``). After training, the forgetting axis (``tether.train.forgetting``):
-the exact KL on answers sampled for general chat prompts, and the share of rule-checked
-instructions followed. ``best-of-n-N`` points need no training: 32 sampled
+1-4 at the end (``final_kl_target``), the moving reference (``budget-moving-*``, ``-tight-`` within 2x
+the target of the original) and, fully fine-tuned, constant beta and the moving reference again
+(``full-*``). After training, the forgetting axis (``tether.train.forgetting``): the exact KL on
+answers sampled for general chat prompts, and the share of rule-checked instructions followed. ``best-of-n-N`` points need no training: 32 sampled
 answers per held-out problem from the untrained policy, the best of the first N by the task's
 reward, at KL log N - (N-1)/N; ``base`` is the untrained policy (greedy). One JSON line per
 (point, seed) goes to ``benchmarks/results/frontier.jsonl``; ``tables.py`` builds docs/frontier.md.
