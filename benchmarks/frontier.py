@@ -6,10 +6,10 @@ targets 1-4 plain and with ``kl_push``, ``kl_adaptive_lr`` or ``weight_average``
 1-4 at the end (``final_kl_target``), the moving reference (``budget-moving-*``, ``-tight-`` within 2x
 the target of the original) and, fully fine-tuned, constant beta and the moving reference again
 (``full-*``). After training, the forgetting axis (``tether.train.forgetting``): the exact KL on
-answers sampled for general chat prompts, and the share of rule-checked instructions followed. ``best-of-n-N`` points need no training: 32 sampled
-answers per held-out problem from the untrained policy, the best of the first N by the task's
-reward, at KL log N - (N-1)/N; ``base`` is the untrained policy (greedy). One JSON line per
-(point, seed) goes to ``benchmarks/results/frontier.jsonl``; ``tables.py`` builds docs/frontier.md.
+answers sampled for general chat prompts, the share of rule-checked instructions followed;
+``best-of-n-N``: 32 answers per held-out problem sampled from the untrained policy, the best of
+the first N by the task's reward, at KL log N - (N-1)/N; ``base``: the untrained policy (greedy).
+One JSON line per (point, seed) to ``benchmarks/results/frontier.jsonl``; ``tables.py`` builds docs.
 
 A (point, seed) already recorded in the same mode is skipped, so calls fill the grid in parts;
 ``--budget-seconds`` stops starting runs that would end after it. ``--reduced`` (CPU: 3 seeds,
