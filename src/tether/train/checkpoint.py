@@ -38,7 +38,8 @@ from tether.models.weights import load_named
 from tether.train.config import TrainConfig
 from tether.train.run_dir import NOT_COMPARED, RESUMABLE_KEYS, changed_keys
 from tether.train.run_files import checkpoint_dirs
-from tether.train.sharding import is_writer, shard_like
+from tether.train.sharded_hold import shard_like
+from tether.train.sharding import is_writer
 
 
 MANIFEST = "manifest.json"

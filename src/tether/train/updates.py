@@ -40,7 +40,7 @@ from tether.ops import aggregate, kl_k1, kl_k3
 from tether.ops.checks import lookup
 from tether.ops.masks import even_slices
 from tether.train.run_files import describe_checkpoints
-from tether.train.sharding import gathered_line
+from tether.train.sharded_hold import gathered_line
 
 
 @dataclass
