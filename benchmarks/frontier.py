@@ -23,7 +23,6 @@ label their records ``mode``.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -151,7 +150,9 @@ def pulled_steps(run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """The steps whose kept weights were moved back, from the run's ``metrics.jsonl``: ``pulled``,
     along the line to the reference (the budget's move or the ceiling's pull: ``kl_move_scale`` < 1),
     and ``pulled_to_base``, by the moving reference's cumulative budget (``kl_to_base_scale`` < 1)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from tether.train.metrics import MetricsLog
+
+    rows = MetricsLog(run_dir / "metrics.jsonl").read()
     return {
         "pulled": [{"step": r["step"], "kl_before": r["kl_move_before_per_seq"], "scale": r["kl_move_scale"],
                     "kl_kept": r["kl_kept_per_seq"]} for r in rows if r.get("kl_move_scale", 1.0) != 1.0],

@@ -63,10 +63,12 @@ class GatheredLine:
             shard.copy_(shard_like(whole, shard))
 
     def release(self) -> None:
-        if self._placed != 1.0:
-            self._write_shards()
-        self.line.release()
-        self._block.close()
+        try:
+            if self._placed != 1.0:
+                self._write_shards()
+        finally:  # the units are resharded even when the write-back fails
+            self.line.release()
+            self._block.close()
 
 
 def shard_like(value: Tensor, param: Tensor) -> Tensor:
