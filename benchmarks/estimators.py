@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
+from _jobs import job_pool  # noqa: E402
 from _stats import interval  # noqa: E402
 
 from tether.train.config import TrainConfig  # noqa: E402
@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     grid = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
     records, root = [], args.results or (None if args.quick else _results.RESULTS)
-    # Spawned, not forked: a forked child cannot use CUDA. A run that fails is named and left out.
-    # Each record is written as its run ends, so a grid cut short (a GPU call's limit) keeps what finished.
-    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # A run that fails is named and left out. Each record is written as its run ends, so a grid
+    # cut short (a GPU call's limit) keeps what finished.
+    with job_pool(args.jobs) as pool:
         futures = {pool.submit(run_variant, v, s, args): (v, s) for v, s in grid}
         for future in as_completed(futures):
             try:

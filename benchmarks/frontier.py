@@ -23,14 +23,14 @@ label their records ``mode``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import _results
+from _jobs import job_pool
 
 RESULTS_NAME = "frontier"
 KEY = ("point", "seed", "mode")
@@ -209,24 +209,6 @@ def run_job(point: str, seed: int, mode: Mode, args: argparse.Namespace) -> list
     return [{**r, **stamp, **extra} for r in records]
 
 
-class InProcess:
-    """``--jobs 1``: each job in this process (no spawned start-up), behind the pool's interface."""
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as exc:  # noqa: BLE001 - handed over as the pool would
-            future.set_exception(exc)
-        return future
-
-    def __enter__(self) -> "InProcess":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def selected(only: str) -> list[str]:
     """The points named by ``--only``: comma-separated point names or prefixes (``constant``, ``budget-t``)."""
     chosen = []
@@ -274,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not run (their config fields are not in TrainConfig yet): {', '.join(skipped)}", flush=True)
     todo, start, longest, failed = plan(args, mode, root), time.monotonic(), 0.0, 0
     print(f"{len(todo)} jobs to run in mode {mode.name} (seeds {args.seeds or mode.seeds})", flush=True)
-    # Spawned, not forked: a forked child cannot use CUDA. A job that fails is named and left out.
-    pool = InProcess() if args.jobs == 1 else ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-    with pool:
+    # A job that fails is named and left out.
+    with job_pool(args.jobs) as pool:
         running: dict[Any, tuple[str, int, float]] = {}
         while todo or running:
             elapsed = time.monotonic() - start
