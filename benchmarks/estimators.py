@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # cut short (a GPU call's limit) keeps what finished.
     with job_pool(args.jobs) as pool:
         futures = {pool.submit(run_variant, v, s, args): (v, s) for v, s in grid}
-        for future in as_completed(futures):
+        # In one process every job is done on submission: take them in the grid's order, not as_completed's.
+        for future in futures if args.jobs == 1 else as_completed(futures):
             try:
                 records.append(future.result())
             except Exception as exc:  # noqa: BLE001 - one broken run must not lose the others
